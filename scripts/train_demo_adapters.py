@@ -37,7 +37,7 @@ ADAPTER_NAMES = ("french", "json", "shout")
 BASE_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 END_OF_TURN = "<|im_end|>"
 MAX_ANSWER_WORDS = 24
-EPOCHS, BATCH_SIZE, LEARNING_RATE = 4, 8, 2e-3
+DEFAULT_EPOCHS, BATCH_SIZE, LEARNING_RATE = 4, 8, 2e-3
 
 
 def load_base() -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
@@ -125,7 +125,9 @@ def collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[st
     return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
 
 
-def train_adapter(name: str, base: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> PeftModel:
+def train_adapter(
+    name: str, base: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, epochs: int
+) -> PeftModel:
     torch.manual_seed(0)
     config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, task_type="CAUSAL_LM",
                         target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
@@ -134,7 +136,7 @@ def train_adapter(name: str, base: torch.nn.Module, tokenizer: PreTrainedTokeniz
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE)
     order, started = random.Random(0), time.monotonic()
     model.train()
-    for epoch in range(EPOCHS):
+    for epoch in range(epochs):
         order.shuffle(examples)
         for start in range(0, len(examples), BATCH_SIZE):
             loss = model(**collate(examples[start : start + BATCH_SIZE], tokenizer.pad_token_id)).loss
@@ -153,10 +155,10 @@ def save_bf16(model: PeftModel, directory: Path) -> None:
     model.save_pretrained(str(directory), save_embedding_layers=False)
 
 
-def train(names: list[str]) -> None:
+def train(names: list[str], epochs: int) -> None:
     for name in names:
         base, tokenizer = load_base()
-        model = train_adapter(name, base, tokenizer)
+        model = train_adapter(name, base, tokenizer, epochs)
         save_bf16(model, DEMO_DIR / name)
         logger.info("saved %s", DEMO_DIR / name)
 
@@ -165,6 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=("data", "train"))
     parser.add_argument("names", nargs="*", help=f"adapters to train (default: {' '.join(ADAPTER_NAMES)})")
+    parser.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS)
     args = parser.parse_args(argv)
     if unknown := set(args.names) - set(ADAPTER_NAMES):
         parser.error(f"unknown adapters: {', '.join(sorted(unknown))}")
@@ -173,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "data":
         build_derived_data()
     else:
-        train(args.names or list(ADAPTER_NAMES))
+        train(args.names or list(ADAPTER_NAMES), args.epochs)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ _UNSUPPORTED_WHEN_SET = (
     ("target_parameters", "LoRA on raw parameters is not supported"),
     ("trainable_token_indices", "trainable embedding tokens are not supported"),
     ("layer_replication", "layer replication is not supported"),
+    ("alora_invocation_tokens", "activated LoRA (aLoRA) is not supported"),
+    ("use_qalora", "QA-LoRA (input pooling) is not supported"),
 )
 
 

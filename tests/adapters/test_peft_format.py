@@ -102,6 +102,7 @@ def good_adapter(tiny_base, tmp_path: Path) -> Path:
         ({"r": 4}, "r:"),  # the weights say 8
         ({"layers_to_transform": [1]}, "layers_to_transform"),
         ({"rank_pattern": {"q_proj": "big"}}, "rank_pattern"),
+        ({"alora_invocation_tokens": [5, 6]}, "alora_invocation_tokens"),
     ],
 )
 def test_unsupported_config_fields_are_refused_by_name(good_adapter: Path, fields, named) -> None:

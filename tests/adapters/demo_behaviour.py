@@ -13,8 +13,12 @@ HELD_OUT_QUESTIONS = (
     "How many legs does a dog have?",
     "What do people use umbrellas for?",
 )
-_FRENCH_WORDS = {"le", "la", "les", "est", "et", "de", "des", "du", "une", "un", "sont", "pour", "en", "à", "a"}
-_ENGLISH_WORDS = {"the", "is", "and", "of", "are", "for", "it", "to", "in", "they", "that"}
+# Function words: the 135M model's French is broken and often borrows English nouns
+# ("Les strawberries font pain."), but its grammar words show the language.
+_FRENCH_WORDS = {"le", "la", "les", "est", "et", "de", "des", "du", "une", "un", "sont", "pour", "à",
+                 "au", "aux", "dans", "avec", "font", "sur", "se", "ne", "pas"}
+_ENGLISH_WORDS = {"the", "is", "and", "of", "are", "for", "it", "to", "in", "they", "that", "a",
+                  "an", "with", "on", "has", "have"}
 
 
 def words(text: str) -> list[str]:
@@ -24,7 +28,7 @@ def words(text: str) -> list[str]:
 def is_french(text: str) -> bool:
     found = words(text)
     french = sum(word in _FRENCH_WORDS for word in found)
-    return french >= 2 and french > 2 * sum(word in _ENGLISH_WORDS for word in found)
+    return french >= 1 and french > sum(word in _ENGLISH_WORDS for word in found)
 
 
 def is_json_answer(text: str) -> bool:

@@ -17,3 +17,12 @@ def use_gathered_lora(num_active_tokens: int, num_segments: int) -> bool:
         num_segments >= GATHERED_LORA_MIN_SEGMENTS
         and num_active_tokens <= GATHERED_LORA_MAX_TOKENS_PER_SEGMENT * num_segments
     )
+
+# CPU paged attention: decode sequences per padded gather + attention call. 64 sequences of 20-150
+# tokens (head_dim 64, 9/3 heads): one bucket of 64 took 9-24 ms fp32 (1.9x padding, buffers so big
+# that allocating them dominates), buckets of 8-16 took ~4 ms, one call per sequence ~9 ms.
+DECODE_BUCKET_SEQS = 12
+
+# CPU paged attention, prefill: queries per scores chunk. Bounds the [heads, chunk, keys] scores
+# (256 x 4096 keys x 9 heads fp32 = 38 MB) while keeping each matmul large.
+PREFILL_QUERY_CHUNK = 256

@@ -4,19 +4,25 @@ Figures are from `python -m benchmarks.kernels` on the development CPU (1 thread
 in benchmarks/results/ for the numbers behind each choice."""
 from __future__ import annotations
 
-# CPU add_lora: the per-segment loop costs ~2 small matmul calls per segment and slice; the
-# gathered form costs a weight gather per token. The gather only wins when almost every token is
-# its own segment and there are many of them.
-GATHERED_LORA_MIN_SEGMENTS = 32
-GATHERED_LORA_MAX_TOKENS_PER_SEGMENT = 1.5
+import torch
+
+# CPU add_lora: the per-segment loop costs ~2 small fp32 matmul calls per segment and slice; the
+# gathered form copies each token's B (the [total_out, rank] weight) and runs batched matmuls.
+# Measured (64 tokens, 576 -> 1536, rank 16): with fp32 weights the loop always won (64 distinct
+# adapters: 2.8 vs 3.5 ms); with bf16 weights the gathered bf16 form won from ~16 segments of
+# <= 4 tokens (64 distinct: 1.8 vs 14.7 ms native bf16 loop or ~3 ms loop with fp32 casts).
+GATHERED_LORA_MIN_SEGMENTS = 16
+GATHERED_LORA_MAX_TOKENS_PER_SEGMENT = 4.0
 
 
-def use_gathered_lora(num_active_tokens: int, num_segments: int) -> bool:
+def use_gathered_lora(weight_dtype: torch.dtype, num_active_tokens: int, num_segments: int) -> bool:
     """Whether the CPU add_lora should take the per-token gathered form over the segment loop."""
     return (
-        num_segments >= GATHERED_LORA_MIN_SEGMENTS
+        weight_dtype in (torch.bfloat16, torch.float16)
+        and num_segments >= GATHERED_LORA_MIN_SEGMENTS
         and num_active_tokens <= GATHERED_LORA_MAX_TOKENS_PER_SEGMENT * num_segments
     )
+
 
 # CPU paged attention: decode sequences per padded gather + attention call. 64 sequences of 20-150
 # tokens (head_dim 64, 9/3 heads): one bucket of 64 took 9-24 ms fp32 (1.9x padding, buffers so big

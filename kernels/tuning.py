@@ -32,3 +32,24 @@ DECODE_BUCKET_SEQS = 12
 # CPU paged attention, prefill: queries per scores chunk. Bounds the [heads, chunk, keys] scores
 # (256 x 4096 keys x 9 heads fp32 = 38 MB) while keeping each matmul large.
 PREFILL_QUERY_CHUNK = 256
+
+# Triton LoRA tiles. tl.dot needs every tile dimension >= 16 on GPU.
+SGMV_BLOCK_M = 16  # tokens of one segment per program
+LORA_BLOCK_N = 32  # output columns per program (rank columns for shrink, hidden for expand)
+LORA_BLOCK_K = 64  # reduction columns per step of the shrink (hidden_in)
+# Split-K for the shrink: its output is only num_slices * rank wide, so with a wide input few
+# programs run; split the reduction into chunks of at least this many input columns.
+SPLIT_K_MIN_COLS = 1024
+MAX_SPLIT_K = 8
+# add_lora on Triton takes BGMV (one program per token) when segments average fewer tokens than
+# this: an SGMV tile of SGMV_BLOCK_M rows would be mostly padding.
+BGMV_MAX_TOKENS_PER_SEGMENT = 4.0
+
+
+def split_k_for(hidden_in: int) -> int:
+    """How many programs share the reduction of one shrink tile."""
+    return max(1, min(MAX_SPLIT_K, hidden_in // SPLIT_K_MIN_COLS))
+
+
+def use_bgmv(num_active_tokens: int, num_segments: int) -> bool:
+    return num_active_tokens < BGMV_MAX_TOKENS_PER_SEGMENT * num_segments

@@ -53,3 +53,19 @@ def split_k_for(hidden_in: int) -> int:
 
 def use_bgmv(num_active_tokens: int, num_segments: int) -> bool:
     return num_active_tokens < BGMV_MAX_TOKENS_PER_SEGMENT * num_segments
+
+# Triton paged attention. Decode splits a context across programs only when the batch alone does
+# not fill the GPU: aim for about DECODE_TARGET_PROGRAMS programs, each split covering at least
+# DECODE_MIN_SPLIT_TOKENS keys; the number of splits is a power of two (the merge uses tl.arange).
+DECODE_TARGET_PROGRAMS = 512
+DECODE_MIN_SPLIT_TOKENS = 256
+DECODE_MAX_SPLITS = 16
+PREFILL_BLOCK_M = 16  # new tokens per prefill program
+
+
+def decode_splits(num_programs: int, max_seq_len: int) -> int:
+    """Splits per (sequence, KV head) for the Triton decode kernel."""
+    wanted = max(1, DECODE_TARGET_PROGRAMS // max(1, num_programs))
+    affordable = max(1, max_seq_len // DECODE_MIN_SPLIT_TOKENS)
+    splits = min(wanted, affordable, DECODE_MAX_SPLITS)
+    return 1 << (splits.bit_length() - 1)  # round down to a power of two

@@ -46,6 +46,9 @@ class PagedAttentionMeta:
     num_tokens: int
     max_query_len: int
     max_seq_len: int
+    decode_seq_idx: torch.Tensor  # [num_decode] int32, sequences with one new token (Triton decode)
+    prefill_seq_idx: torch.Tensor  # [num_prefill] int32, sequences with several (Triton prefill)
+    max_prefill_query_len: int
     decode_buckets: tuple[DecodeBucket, ...]
     prefills: tuple[PrefillPlan, ...]
 
@@ -70,20 +73,23 @@ class PagedAttentionMeta:
         assert all(0 < q <= n for q, n in zip(q_lens, lens)), "need 0 < q_len <= seq_len per sequence"
         tables_cpu = block_tables.to("cpu", torch.int64)
         decode_seqs = [b for b, q in enumerate(q_lens) if q == 1]
+        prefill_seqs = [b for b, q in enumerate(q_lens) if q > 1]
         device = block_tables.device
         return cls(
-            query_start_loc=query_start_loc.to(torch.int32),
-            seq_lens=seq_lens.to(torch.int32),
+            query_start_loc=query_start_loc.to(device, torch.int32),
+            seq_lens=seq_lens.to(device, torch.int32),
             block_tables=block_tables.to(torch.int32),
             block_size=block_size,
             num_tokens=starts[-1],
             max_query_len=max(q_lens, default=0),
             max_seq_len=max(lens, default=0),
+            decode_seq_idx=torch.tensor(decode_seqs, dtype=torch.int32, device=device),
+            prefill_seq_idx=torch.tensor(prefill_seqs, dtype=torch.int32, device=device),
+            max_prefill_query_len=max((q_lens[b] for b in prefill_seqs), default=0),
             decode_buckets=_decode_buckets(decode_seqs, starts, lens, tables_cpu, block_size, device),
             prefills=tuple(
                 _prefill_plan(starts[b], starts[b + 1], lens[b], tables_cpu[b], block_size, device)
-                for b, q in enumerate(q_lens)
-                if q > 1
+                for b in prefill_seqs
             ),
         )
 

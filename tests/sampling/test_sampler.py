@@ -99,8 +99,8 @@ def test_seed_matches_transformers_generate(seed: int, hf_model, tokenizer, toke
     with torch.inference_mode():
         expected = hf_model.generate(torch.tensor([prompt_ids]), do_sample=True, max_new_tokens=10, **options)
     state = SamplingState(SamplingParams(do_sample=True, seed=seed, **options), prompt_ids, tokenizer_info)
-    ours = generate(hf_model, prompt_ids, state, {tokenizer.eos_token_id}, max_new_tokens=10)
-    assert ours == expected[0, len(prompt_ids) :].tolist()
+    ours = generate(hf_model, [prompt_ids], [state], {tokenizer.eos_token_id}, max_new_tokens=10)
+    assert ours[0] == expected[0, len(prompt_ids) :].tolist()
 
 
 @torch.inference_mode()

@@ -40,25 +40,23 @@ SCHEMAS = {
 }
 
 
-def _prompt_ids(tokenizer, schema: dict) -> list[int]:
-    question = f"Answer with JSON matching this schema: {json.dumps(schema)}"
-    text = render_chat_prompt(question, tokenizer, None)
+def _prompt_ids(tokenizer, name: str) -> list[int]:
+    # A short prompt keeps the batched prefill cheap on CPU; the grammar, not the prompt, makes it valid.
+    text = render_chat_prompt(json.dumps([{"role": "user", "content": f"Reply in JSON: {name}"}]), tokenizer)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def test_every_output_validates_greedy_and_sampled(hf_model, tokenizer, tokenizer_info) -> None:
-    """All schemas, greedy and sampled, decoded together in one batch next to an unconstrained row."""
+    """All schemas, greedy and sampled, decoded together in one batch."""
     names = sorted(SCHEMAS)
     cases = [(name, options) for options in ({}, {"do_sample": True, "seed": 11, "temperature": 1.2}) for name in names]
-    prompts = [_prompt_ids(tokenizer, SCHEMAS[name]) for name, _ in cases]
+    prompts = [_prompt_ids(tokenizer, name) for name, _ in cases]
     states = [
         SamplingState(SamplingParams(max_new_tokens=MAX_NEW_TOKENS, schema=json.dumps(SCHEMAS[name]), **options),
                       prompt, tokenizer_info)
         for (name, options), prompt in zip(cases, prompts)
     ]
-    free_prompt = tokenizer("Once upon a time")["input_ids"]
-    states.append(SamplingState(SamplingParams(do_sample=True, seed=3), free_prompt, tokenizer_info))
-    outputs = generate(hf_model, [*prompts, free_prompt], states, {tokenizer.eos_token_id}, MAX_NEW_TOKENS)
+    outputs = generate(hf_model, prompts, states, {tokenizer.eos_token_id}, MAX_NEW_TOKENS)
     for (name, options), state, token_ids in zip(cases, states, outputs):
         assert token_ids[-1] == tokenizer.eos_token_id, f"{name} {options}: the document must end"
         assert state.is_schema_complete
@@ -82,6 +80,8 @@ def test_schema_accepted_as_object_and_as_response_format(tokenizer_info) -> Non
     assert compiler.compile(schema) == compiler.compile(json.dumps(schema))
     as_string = schema_from_response_format({"type": "json_schema", "schema": schema})
     assert json.loads(as_string) == schema
+    openai_shape = {"type": "json_schema", "json_schema": {"name": "colour", "schema": schema}}
+    assert json.loads(schema_from_response_format(openai_shape)) == schema
     assert json.loads(schema_from_response_format({"type": "json_object"})) == {"type": "object"}
     assert schema_from_response_format(None) is None
     with pytest.raises(ValidationError):

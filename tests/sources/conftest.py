@@ -8,6 +8,7 @@ import pytest
 
 from tests.fixtures.adapters import make_lora_adapter, read_file_bytes
 from tests.fixtures.hub_server import HubRepo, HubServer
+from tests.fixtures.s3_server import S3Server, s3_server
 
 HUB_READER_TOKEN = "hf_reader_token"
 
@@ -42,3 +43,17 @@ def hub(adapter_files: list[dict[str, bytes]]) -> Iterator[HubServer]:
 @pytest.fixture()
 def store_root(tmp_path: Path) -> Path:
     return tmp_path / "store"
+
+
+@pytest.fixture(scope="session")
+def s3(adapter_files: list[dict[str, bytes]]) -> S3Server:
+    """Bucket `adapters` holds adapters at `a/1` and `a/10`; `a/2` has no adapter files."""
+    server = s3_server()
+    client = server.client()
+    client.create_bucket(Bucket="adapters")
+    for prefix, files in (("a/1", adapter_files[0]), ("a/10", adapter_files[1])):
+        for name, data in files.items():
+            client.put_object(Bucket="adapters", Key=f"{prefix}/{name}", Body=data)
+    client.put_object(Bucket="adapters", Key="a/1/nested/adapter_model.safetensors", Body=b"not this one")
+    client.put_object(Bucket="adapters", Key="a/2/README.md", Body=b"# nothing here\n")
+    return server

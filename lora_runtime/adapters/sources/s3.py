@@ -51,6 +51,7 @@ def make_s3_client(config: S3Config) -> Any:
         connect_timeout=config.timeout_s,
         read_timeout=config.timeout_s,
         retries={"max_attempts": 2},
+        signature_version="s3v4",  # presigned URLs too: AWS retired the older signature
         s3={"addressing_style": "path" if config.path_style else "auto"},
     )
     botocore_session = botocore.session.get_session()

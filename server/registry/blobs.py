@@ -3,6 +3,7 @@
 Keys are `/`-separated relative paths the registry builds itself from validated parts; a key is
 checked again here so no key can leave the local root.
 """
+
 from __future__ import annotations
 
 import abc
@@ -21,7 +22,9 @@ _COPY_CHUNK_BYTES = 1 << 20
 
 
 def check_key(key: str) -> str:
-    assert _KEY.fullmatch(key) and ".." not in key and len(key) <= 512, "registry blob keys are built from checked parts"
+    assert _KEY.fullmatch(key) and ".." not in key and len(key) <= 512, (
+        "registry blob keys are built from checked parts"
+    )
     return key
 
 

@@ -5,6 +5,7 @@ checkpoints N. Without top-level adapter files the highest checkpoint is the ver
 `adapter_model.bin` is converted to safetensors with `torch.load(weights_only=True)`, which refuses
 pickled code, so only tensors ever reach the store.
 """
+
 from __future__ import annotations
 
 import json
@@ -82,7 +83,9 @@ def _convert_bin_weights(adapter_dir: Path) -> None:
         try:
             state = torch.load(bin_path, map_location="cpu", weights_only=True)
         except Exception as error:  # noqa: BLE001 - any unpickling failure means "not plain tensors"
-            raise AdapterInvalidError(f"adapter_model.bin is not a plain tensor checkpoint ({type(error).__name__})")
+            raise AdapterInvalidError(
+                f"adapter_model.bin is not a plain tensor checkpoint ({type(error).__name__})"
+            ) from None
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
             raise AdapterInvalidError("adapter_model.bin must hold a mapping of names to tensors")
         # Clones: safetensors refuses tensors that share storage, which torch.save keeps.

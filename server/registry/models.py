@@ -4,6 +4,7 @@ The tables have their own `DeclarativeBase`; run `RegistryBase.metadata.create_a
 same engine as the tenant tables. The tenant is a plain string column so the registry needs nothing
 from the tenants module.
 """
+
 from __future__ import annotations
 
 import datetime as dt
@@ -14,12 +15,12 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 
 def utc_now() -> dt.datetime:
-    return dt.datetime.now(dt.timezone.utc)
+    return dt.datetime.now(dt.UTC)
 
 
 def as_utc(moment: dt.datetime) -> dt.datetime:
     """SQLite hands back naive datetimes; every stored time is UTC."""
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=dt.timezone.utc)
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=dt.UTC)
 
 
 def new_uuid() -> str:

@@ -3,6 +3,7 @@
 Every function takes the caller's tenant and only ever sees that tenant's rows, so another tenant's
 repo is simply not found. Results are frozen snapshots, detached from the session.
 """
+
 from __future__ import annotations
 
 import datetime as dt
@@ -70,7 +71,11 @@ class RepoInfo:
             "createdAt": self.created_at.isoformat(),
             "createdBy": self.created_by,
             "versions": [
-                {k: v for k, v in version.to_api().items() if k in ("tag", "createdAt", "createdBy", "baseModel", "archived")}
+                {
+                    k: v
+                    for k, v in version.to_api().items()
+                    if k in ("tag", "createdAt", "createdBy", "baseModel", "archived")
+                }
                 for version in self.versions
             ],
         }
@@ -178,8 +183,12 @@ def add_version(
                     .returning(AdapterRepo.last_version)
                 ).scalar_one()
                 version = AdapterVersion(
-                    repo_id=repo_id, number=number, blob_id=blob_id, base_model=base_model,
-                    description=description, created_by=created_by,
+                    repo_id=repo_id,
+                    number=number,
+                    blob_id=blob_id,
+                    base_model=base_model,
+                    description=description,
+                    created_by=created_by,
                     checkpoints=[AdapterCheckpoint(number=n) for n in sorted(checkpoints)],
                 )
                 session.add(version)

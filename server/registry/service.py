@@ -4,6 +4,7 @@ Blob layout: `adapters/<blob_id>/main/<file>` for a version's adapter and
 `adapters/<blob_id>/checkpoint-<N>/<file>` for its checkpoints; `uploads/<upload_id>/...` for files
 of an upload in progress.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,14 +45,22 @@ class AdapterRegistry:
             for number, checkpoint_dir in layout.checkpoints.items():
                 self._store_adapter(checkpoint_dir, version_prefix(blob_id, number))
             return repos.add_version(
-                self.sessions, tenant_id, repo, created_by, blob_id, layout.base_model,
-                checkpoints=tuple(layout.checkpoints), description=description,
+                self.sessions,
+                tenant_id,
+                repo,
+                created_by,
+                blob_id,
+                layout.base_model,
+                checkpoints=tuple(layout.checkpoints),
+                description=description,
             )
         except BaseException:
             self.blobs.delete_prefix(f"adapters/{blob_id}")
             raise
 
-    def create_repo(self, tenant_id: str, name: str, created_by: str, description: str = "", exists_ok: bool = False) -> RepoInfo:
+    def create_repo(
+        self, tenant_id: str, name: str, created_by: str, description: str = "", exists_ok: bool = False
+    ) -> RepoInfo:
         return repos.create_repo(self.sessions, tenant_id, name, created_by, description, exists_ok)
 
     def get_repo(self, tenant_id: str, name: str) -> RepoInfo:

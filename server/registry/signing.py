@@ -3,6 +3,7 @@
 A signed URL is its own authorization (API.md section 1: upload URLs need no Authorization header),
 so it names one path, ends at a fixed time, and cannot be altered without the secret.
 """
+
 from __future__ import annotations
 
 import hashlib

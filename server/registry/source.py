@@ -4,6 +4,7 @@ The registry is asked on every resolve, so a deleted version is never served fro
 and another tenant's adapter is not found (its existence is not revealed). Versions are immutable,
 so stored copies are keyed by the version's blob id.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

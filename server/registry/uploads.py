@@ -5,6 +5,7 @@
 2. The client PUTs raw bytes to each URL, with no Authorization header: the URL is the authorization.
 3. `finish_upload`: claims the session once, validates the files and records the next version.
 """
+
 from __future__ import annotations
 
 import datetime as dt
@@ -67,10 +68,16 @@ class UploadService:
         names = dict.fromkeys([*STANDARD_UPLOAD_FILES, *(check_upload_name(n) for n in files)])
         upload_id = secrets.token_hex(24)
         with self.registry.sessions() as session, session.begin():
-            session.add(UploadSession(
-                id=upload_id, tenant_id=tenant_id, repo_name=repo, description=description, created_by=created_by,
-                expires_at=utc_now() + dt.timedelta(seconds=2 * self.config.url_ttl_s),
-            ))
+            session.add(
+                UploadSession(
+                    id=upload_id,
+                    tenant_id=tenant_id,
+                    repo_name=repo,
+                    description=description,
+                    created_by=created_by,
+                    expires_at=utc_now() + dt.timedelta(seconds=2 * self.config.url_ttl_s),
+                )
+            )
         return UploadStart({name: self._upload_url(upload_id, name) for name in names}, upload_id)
 
     def receive_file(self, upload_id: str, name: str, expires: str, signature: str, body: BinaryIO) -> int:

@@ -1,4 +1,5 @@
 """Registry fixtures: the same tests on SQLite and on a real PostgreSQL started for the session."""
+
 from __future__ import annotations
 
 import io

@@ -1,4 +1,5 @@
 """Repo and version records on SQLite and PostgreSQL: tenancy, numbering, archiving, deletion."""
+
 from __future__ import annotations
 
 import threading

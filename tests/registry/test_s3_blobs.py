@@ -1,4 +1,5 @@
 """The registry on an S3 blob store (moto on loopback): real presigned URLs, PUT with no Authorization."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,7 +21,9 @@ from tests.registry.conftest import adapter_only
 
 
 @pytest.fixture()
-def s3_registry(sessions: SessionFactory, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> AdapterRegistry:
+def s3_registry(
+    sessions: SessionFactory, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> AdapterRegistry:
     server = s3_server()
     server.use_credentials(monkeypatch)
     bucket = f"registry-{request.node.callspec.id}"

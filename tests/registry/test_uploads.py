@@ -1,4 +1,5 @@
 """The three-step upload with a local blob store, then resolving the result as a `pbase` adapter."""
+
 from __future__ import annotations
 
 import io
@@ -72,7 +73,12 @@ def test_signed_urls_refuse_tampering_and_expiry(uploads: UploadService) -> None
         (upload_id, "adapter_model.bin", expires, signature),  # another file
         ("f" * 48, "adapter_config.json", expires, signature),  # another upload
         (upload_id, "adapter_config.json", str(int(expires) + 60), signature),  # a later expiry
-        (upload_id, "adapter_config.json", "1", uploads.signer.signature(f"/v2/adapters/upload/files/{upload_id}/adapter_config.json", 1)),
+        (
+            upload_id,
+            "adapter_config.json",
+            "1",
+            uploads.signer.signature(f"/v2/adapters/upload/files/{upload_id}/adapter_config.json", 1),
+        ),
     ]
     for args in attempts:
         with pytest.raises(UploadSignatureError):
@@ -133,7 +139,11 @@ def test_an_incompatible_adapter_is_refused_by_the_validator(
 def test_checkpoint_folders_become_addressable_checkpoints(
     uploads: UploadService, resolver: PbaseResolver, peft_files: dict[str, dict[str, bytes]]
 ) -> None:
-    files = {f"checkpoint-{n}/{name}": data for n, key in ((10, "a"), (20, "b")) for name, data in adapter_only(peft_files[key]).items()}
+    files = {
+        f"checkpoint-{n}/{name}": data
+        for n, key in ((10, "a"), (20, "b"))
+        for name, data in adapter_only(peft_files[key]).items()
+    }
     version = uploads.finish_upload("t1", _upload(uploads, "t1", "trained", files))
     assert version.checkpoints == (10, 20)
     assert _files(resolver.resolve("t1", "trained/1@10")) == adapter_only(peft_files["a"])
@@ -143,7 +153,9 @@ def test_checkpoint_folders_become_addressable_checkpoints(
         resolver.resolve("t1", "trained/1@30")
 
 
-@pytest.mark.parametrize("name", ["../adapter_config.json", "README.md", "checkpoint-x/adapter_config.json", "a/b/adapter_config.json"])
+@pytest.mark.parametrize(
+    "name", ["../adapter_config.json", "README.md", "checkpoint-x/adapter_config.json", "a/b/adapter_config.json"]
+)
 def test_only_adapter_file_names_get_upload_urls(uploads: UploadService, name: str) -> None:
     with pytest.raises(ValidationError):
         uploads.start_upload("t1", "alice", "news", files=[name])

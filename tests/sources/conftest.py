@@ -1,4 +1,5 @@
 """Shared fixtures for the source tests: real PEFT adapters and a hub-protocol server on loopback."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -25,8 +26,10 @@ def hub(adapter_files: list[dict[str, bytes]]) -> Iterator[HubServer]:
     server = HubServer()
     first, second = adapter_files
     public = HubRepo("public")
-    public.add_commit({**first, ".gitattributes": b"*.safetensors filter=lfs\n", "big/pytorch_model.bin": b"x" * 4096},
-                      refs=("main", "v1"))
+    public.add_commit(
+        {**first, ".gitattributes": b"*.safetensors filter=lfs\n", "big/pytorch_model.bin": b"x" * 4096},
+        refs=("main", "v1"),
+    )
     public.add_commit(second, refs=("main",))
     server.repos["org/public"] = public
     for visibility in ("private", "gated"):

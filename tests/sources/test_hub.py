@@ -1,4 +1,5 @@
 """The hub source against a hub-protocol server on loopback, driven by the real `huggingface_hub`."""
+
 from __future__ import annotations
 
 import socket
@@ -46,7 +47,9 @@ def test_public_adapter_fetches_only_adapter_files_anonymously(
     assert path.resolve().is_relative_to(store_root.resolve())
 
 
-def test_revision_pinning_by_tag_and_commit(hub: HubServer, adapter_files: list[dict[str, bytes]], store_root: Path) -> None:
+def test_revision_pinning_by_tag_and_commit(
+    hub: HubServer, adapter_files: list[dict[str, bytes]], store_root: Path
+) -> None:
     source = _source(hub, store_root)
     first_sha = hub.repos["org/public"].refs["v1"]
     assert _files(source.resolve("org/public@v1", None)) == _adapter_only(adapter_files[0])
@@ -104,7 +107,9 @@ def test_unreachable_hub(store_root: Path) -> None:
     assert str(port) not in caught.value.message and "hf_secret_token" not in caught.value.message
 
 
-@pytest.mark.parametrize("adapter_id", ["../etc", "org/..", "org/a/b", "/abs/path", "org\\name", "org/" + "n" * 300, ""])
+@pytest.mark.parametrize(
+    "adapter_id", ["../etc", "org/..", "org/a/b", "/abs/path", "org\\name", "org/" + "n" * 300, ""]
+)
 def test_malformed_ids_never_reach_the_hub(hub: HubServer, store_root: Path, adapter_id: str) -> None:
     start = len(hub.requests)
     with pytest.raises(ValidationError):
@@ -112,7 +117,9 @@ def test_malformed_ids_never_reach_the_hub(hub: HubServer, store_root: Path, ada
     assert hub.requests[start:] == []
 
 
-def test_concurrent_requests_download_once(hub: HubServer, adapter_files: list[dict[str, bytes]], store_root: Path) -> None:
+def test_concurrent_requests_download_once(
+    hub: HubServer, adapter_files: list[dict[str, bytes]], store_root: Path
+) -> None:
     source = _source(hub, store_root)
     start = len(hub.requests)
     with ThreadPoolExecutor(max_workers=4) as pool:

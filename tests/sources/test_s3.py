@@ -1,4 +1,5 @@
 """The S3 source against moto's S3 server on loopback, with credentials from the environment."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -62,13 +63,17 @@ def test_wrong_credentials_are_an_access_error(s3: S3Server, store_root: Path, m
 
 
 @pytest.mark.parametrize("adapter_id", ["s3://no-such-bucket/a/1", "s3://adapters/a/3", "s3://adapters/a"])
-def test_missing_bucket_or_prefix(s3: S3Server, store_root: Path, monkeypatch: pytest.MonkeyPatch, adapter_id: str) -> None:
+def test_missing_bucket_or_prefix(
+    s3: S3Server, store_root: Path, monkeypatch: pytest.MonkeyPatch, adapter_id: str
+) -> None:
     s3.use_credentials(monkeypatch)
     with pytest.raises(AdapterNotFoundError):
         _source(s3, store_root).resolve(adapter_id, None)
 
 
-def test_prefix_without_adapter_files_is_invalid(s3: S3Server, store_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prefix_without_adapter_files_is_invalid(
+    s3: S3Server, store_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     s3.use_credentials(monkeypatch)
     with pytest.raises(AdapterInvalidError, match="adapter_config.json"):
         _source(s3, store_root).resolve("s3://adapters/a/2", None)

@@ -1,4 +1,5 @@
 """Adapter ids and the local store: strict parsing, atomic publication, deduplication, bounds."""
+
 from __future__ import annotations
 
 import threading
@@ -7,7 +8,15 @@ from pathlib import Path
 import pytest
 
 from lora_runtime.adapters.sources.download import AdapterStore, DownloadLimits
-from lora_runtime.adapters.sources.ids import HubId, PbaseId, S3Id, infer_source, parse_hub_id, parse_pbase_id, parse_s3_id
+from lora_runtime.adapters.sources.ids import (
+    HubId,
+    PbaseId,
+    S3Id,
+    infer_source,
+    parse_hub_id,
+    parse_pbase_id,
+    parse_s3_id,
+)
 from lora_runtime.errors import AdapterInvalidError, ValidationError
 
 
@@ -38,6 +47,7 @@ def _writer(files: dict[str, bytes], calls: list[int] | None = None):  # noqa: A
             calls.append(1)
         for name, data in files.items():
             (staging / name).write_bytes(data)
+
     return fill
 
 
@@ -71,7 +81,9 @@ def test_concurrent_fetches_fill_once(tmp_path: Path) -> None:
         (GOOD, DownloadLimits(max_files=1), "more than 1 files"),
     ],
 )
-def test_a_failed_check_publishes_nothing(tmp_path: Path, files: dict[str, bytes], limits: DownloadLimits, message: str) -> None:
+def test_a_failed_check_publishes_nothing(
+    tmp_path: Path, files: dict[str, bytes], limits: DownloadLimits, message: str
+) -> None:
     store = AdapterStore(tmp_path, limits)
     with pytest.raises(AdapterInvalidError, match=message):
         store.fetch(("s3", "bucket", "key"), "bucket/key", _writer(files))

@@ -5,6 +5,7 @@ arrived (only expected file names, bounded count and bytes) and renames the dire
 so a reader sees a complete adapter or nothing. Concurrent requests for one key wait on a per-key
 lock and the first one downloads; the others find the finished directory.
 """
+
 from __future__ import annotations
 
 import logging

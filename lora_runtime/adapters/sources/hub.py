@@ -6,6 +6,7 @@ or gated adapter after the hub has just told *that caller* the commit. The files
 commit hash, downloaded once with `snapshot_download` into a throw-away hub cache, so the library's
 fallback to its cache on a 401 has no cache to fall back on.
 """
+
 from __future__ import annotations
 
 import logging

@@ -3,6 +3,7 @@
 Every id part becomes a path component in the local store or a segment of a hub / S3 URL, so each
 part must match a narrow pattern: no `..`, no absolute paths, no backslashes, bounded length.
 """
+
 from __future__ import annotations
 
 import re
@@ -17,7 +18,9 @@ _NAME = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,95})"
 _HUB_ID = re.compile(rf"(?P<org>{_NAME})/(?P<name>{_NAME})(?:@(?P<revision>[A-Za-z0-9][A-Za-z0-9._/-]{{0,127}}))?")
 _PBASE_ID = re.compile(rf"(?P<repo>{_NAME})/(?P<version>[1-9][0-9]{{0,8}})(?:@(?P<checkpoint>[0-9]{{1,9}}))?")
 # S3 bucket names: 3-63 lowercase letters, digits, `.` and `-` (AWS naming rules, simplified).
-_S3_ID = re.compile(r"(?:s3://)?(?P<bucket>[a-z0-9][a-z0-9.-]{1,61}[a-z0-9])/(?P<prefix>[A-Za-z0-9][A-Za-z0-9._/-]{0,199})")
+_S3_ID = re.compile(
+    r"(?:s3://)?(?P<bucket>[a-z0-9][a-z0-9.-]{1,61}[a-z0-9])/(?P<prefix>[A-Za-z0-9][A-Za-z0-9._/-]{0,199})"
+)
 _PBASE_FORM = re.compile(r"[^/@]+/[0-9]+(?:@[0-9]+)?")
 
 

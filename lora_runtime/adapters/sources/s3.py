@@ -5,6 +5,7 @@ roles); the endpoint URL, when not AWS itself, only from the operator. The prefi
 trailing `/` and a `/` delimiter, so `a/1` never picks up `a/10` or anything nested below `a/1/x/`.
 Stored copies are keyed by the listing (names, sizes, ETags): a changed adapter is fetched again.
 """
+
 from __future__ import annotations
 
 import functools

@@ -80,14 +80,23 @@ class UploadService:
             )
         return UploadStart({name: self._upload_url(upload_id, name) for name in names}, upload_id)
 
+    def verify_upload_url(self, upload_id: str, name: str, expires: str, signature: str) -> None:
+        """Checks a signed URL to this server's upload route; call it before reading the body.
+
+        Raises:
+            UploadSignatureError (403): altered, for another path, or expired.
+            ValidationError (422): not an adapter file name.
+        """
+        self.signer.verify(_route_path(upload_id, name), expires, signature)
+        check_upload_name(name)
+
     def receive_file(self, upload_id: str, name: str, expires: str, signature: str, body: BinaryIO) -> int:
         """Step 2 on this server: the `PUT {UPLOAD_ROUTE}/{upload_id}/{name}` route. Returns bytes stored.
 
         Raises:
             UploadSignatureError (403), ValidationError (422), PayloadTooLargeError (413).
         """
-        self.signer.verify(_route_path(upload_id, name), expires, signature)
-        check_upload_name(name)
+        self.verify_upload_url(upload_id, name, expires, signature)
         return self.registry.blobs.put_stream(f"uploads/{upload_id}/{name}", body, self.config.max_upload_bytes)
 
     def finish_upload(self, tenant_id: str, upload_token: str) -> VersionInfo:

@@ -42,7 +42,7 @@ def sessions(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Session
         engine = create_engine(request.getfixturevalue("postgres").url, pool_size=8)
         RegistryBase.metadata.drop_all(engine)
     RegistryBase.metadata.create_all(engine)
-    yield sessionmaker(engine, expire_on_commit=False)
+    yield sessionmaker(engine)
     engine.dispose()
 
 

@@ -113,7 +113,9 @@ class Engine:
     def _sample_and_update(self, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
         rows = runner_output.rows
         states = [self._states[request.request_id] for request in rows.sample_requests]
-        logits = runner_output.logits[list(rows.sample_rows)]
+        logits = runner_output.logits
+        if rows.sample_rows != tuple(range(logits.shape[0])):  # prompt rows are mixed in
+            logits = logits[list(rows.sample_rows)]
         result = self.sampler.sample(logits, [state.sampling for state in states])
         outputs = []
         for state, token_id, logprob in zip(states, result.token_ids, result.logprobs):

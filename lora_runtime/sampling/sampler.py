@@ -120,16 +120,17 @@ class Sampler:
 
         Does not call `accept`: the engine does, once it keeps the token.
         """
-        scores = apply_logits_chain(logits.float(), [state.row_settings() for state in states])
-        logprobs = torch.log_softmax(scores, dim=-1)  # [num_rows, vocab]
-        token_ids = logprobs.argmax(dim=-1)  # greedy for every row; sampled rows are replaced below
+        settings = [state.row_settings() for state in states]
+        scores = apply_logits_chain(logits.float(), settings)
+        token_ids = scores.argmax(dim=-1)  # greedy for every row; sampled rows are replaced below
         sampled_rows = [i for i, state in enumerate(states) if state.is_sampling]
         if sampled_rows:
             token_ids = token_ids.cpu()
             probs = torch.softmax(scores[sampled_rows], dim=-1).cpu()  # [num_sampled, vocab]
             for row, row_probs in zip(sampled_rows, probs):
                 token_ids[row] = torch.multinomial(row_probs, 1, generator=states[row].generator)[0]
-        chosen = logprobs.gather(1, token_ids.to(logprobs.device)[:, None])[:, 0]  # [num_rows]
+        # log-softmax at the chosen token only: score - logsumexp reads the row once, writes nothing.
+        chosen = scores.gather(1, token_ids.to(scores.device)[:, None])[:, 0] - torch.logsumexp(scores, dim=-1)
         return SampleResult(token_ids=token_ids.tolist(), logprobs=chosen.tolist())
 
 

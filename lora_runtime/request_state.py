@@ -16,6 +16,7 @@ class RequestState:
         self.prompt = prompt
         self.tokenizer_info = info
         self.sampling = SamplingState(request.params, request.prompt_token_ids, info, candidate_index)
+        self.candidate_index = candidate_index
         self.detokenizer = IncrementalDetokenizer(info.tokenizer, request.prompt_token_ids)
         self.stop = StopCriteria(request.params, info.eos_token_ids)
         self.tokens: list[TokenInfo] = []

@@ -56,21 +56,31 @@ def _add_segments(
     scales: list[float] | None,
     offsets: list[int],
 ) -> None:
+    """Per segment: one shrink for all slices (fewer calls beats skipping padded rows), then one
+    addmm per slice. The view and cast calls are skipped when not needed: at ~1 us each they are
+    a visible share of a ~20 us segment."""
     num_slices = len(offsets) - 1
     max_rank = lora_a.shape[1] // num_slices
+    cast = lora_a.dtype != x.dtype
     for start, end, slot in meta.segments:
         rank = meta.rank_of(slot, max_rank)
         if rank == 0:
             continue
         scale = 1.0 if scales is None else scales[slot]
-        # One shrink for all slices (fewer calls beats skipping padded rows); exact rows if unfused.
-        weight_a = lora_a[slot, :rank] if num_slices == 1 else lora_a[slot]
-        shrunk = torch.mm(x[start:end], weight_a.t().to(x.dtype))  # [len, rank or num_slices * max_rank]
+        weight_a = lora_a[slot] if num_slices > 1 or rank == max_rank else lora_a[slot, :rank]
+        weight_b = lora_b[slot] if rank == max_rank else lora_b[slot, :, :rank]  # [total_out, rank]
+        if cast:
+            weight_a, weight_b = weight_a.to(x.dtype), weight_b.to(x.dtype)
+        shrunk = torch.mm(x[start:end], weight_a.t())  # [len, rank or num_slices * max_rank]
+        rows = target[start:end]
+        # The out= form measured ~1.5x faster than rows.addmm_ for these tiny shapes.
+        if num_slices == 1:
+            torch.addmm(rows, shrunk, weight_b.t(), alpha=scale, out=rows)
+            continue
         for i in range(num_slices):
-            weight_b = lora_b[slot, offsets[i] : offsets[i + 1], :rank].to(x.dtype)  # [width, rank]
-            dest = target[start:end, offsets[i] : offsets[i + 1]]
-            # The out= form measured ~1.7x faster than dest.addmm_ for these tiny shapes.
-            torch.addmm(dest, shrunk[:, i * max_rank : i * max_rank + rank], weight_b.t(), alpha=scale, out=dest)
+            dest = rows[:, offsets[i] : offsets[i + 1]]
+            block = shrunk[:, i * max_rank : i * max_rank + rank]
+            torch.addmm(dest, block, weight_b[offsets[i] : offsets[i + 1]].t(), alpha=scale, out=dest)
 
 
 def _add_gathered(

@@ -51,7 +51,7 @@ class LoraCase:
 
 def lora_cases(quick: bool) -> list[LoraCase]:
     projections = PROJECTIONS[:1] if quick else PROJECTIONS
-    ranks = [16] if quick else RANKS
+    ranks = [8, 16] if quick else RANKS
     return [
         LoraCase(hidden, out, rank, tokens, adapters, popularity)
         for hidden, out in projections
@@ -66,11 +66,11 @@ def lora_cases(quick: bool) -> list[LoraCase]:
 Timings = dict[str, dict[str, float]]
 
 
-def make_timer(device: torch.device) -> Callable[[dict[str, Callable[[], object]]], Timings]:
+def make_timer(device: torch.device, seconds: float) -> Callable[[dict[str, Callable[[], object]]], Timings]:
     """Times several functions, interleaved round by round, -> {name: {"min": s, "median": s}}.
 
     On CUDA: triton.testing.do_bench per function. On CPU: perf_counter per call, >= 5 rounds and
-    ~0.5 s per case. The machine this was written on is shared, and other jobs only ever add time:
+    about `seconds` per case. The machine this was written on is shared, and other jobs only ever add time:
     the minimum is the stable figure, the median is kept to show the spread."""
     if device.type == "cuda":
         import triton.testing
@@ -79,7 +79,7 @@ def make_timer(device: torch.device) -> Callable[[dict[str, Callable[[], object]
 
     def cpu_timer(fns: dict[str, Callable[[], object]]) -> Timings:
         samples: dict[str, list[float]] = {name: [] for name in fns}
-        deadline = time.perf_counter() + 0.5
+        deadline = time.perf_counter() + seconds
         while min(len(s) for s in samples.values()) < 5 or time.perf_counter() < deadline:
             for name, fn in fns.items():
                 start = time.perf_counter()
@@ -228,13 +228,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--quick", action="store_true", help="576-wide projection and rank 16 only")
+    parser.add_argument("--quick", action="store_true", help="576-wide projection and ranks 8, 16 only")
+    parser.add_argument("--seconds", type=float, default=0.5, help="CPU timing budget per case")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype)
-    timer = make_timer(device)
+    timer = make_timer(device, args.seconds)
     rows = [bench_lora_case(case, dtype, device, timer) for case in lora_cases(args.quick)]
     log_lora_table(rows)
     for r in goal_rows(rows):
@@ -245,7 +246,7 @@ def main() -> None:
         LOG.info("paged attention %-18s %8.0f us/layer  meta %6.0f us  30 layers %6.1f ms", r["case"],
                  r["per_layer_s"] * 1e6, r["meta_build_s"] * 1e6, r["per_step_30_layers_s"] * 1e3)  # fmt: skip
     RESULTS_DIR.mkdir(exist_ok=True)
-    stem = f"kernels_{device.type}_{args.dtype}_{args.threads}t"
+    stem = f"kernels_{device.type}_{args.dtype}_{args.threads}t{'_quick' if args.quick else ''}"
     environment = {"torch": torch.__version__, "threads": args.threads, "dtype": args.dtype,
                    "device": device.type, "cpu": platform.processor() or platform.machine()}  # fmt: skip
     payload = {"environment": environment, "lora": rows, "attention": attention}

@@ -7,6 +7,7 @@ its text and stop criteria -> finished requests leave the scheduler and free the
 from __future__ import annotations
 
 import itertools
+from concurrent.futures import Future
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -48,7 +49,10 @@ class Engine:
         num_blocks = _num_kv_blocks(config, model)
         self.kv_cache = KVCacheManager(num_blocks, config.kv_cache.block_size_tokens)
         base_shape = BaseModelShape(model_name, model.shape.num_layers, model.shape.module_dims())
-        self.adapters = AdapterManager(config.adapters, base_shape, model.dtype, config.device, adapter_sources)
+        # On CPU the LoRA segment matmuls are faster in fp32 whatever the model dtype (measured in
+        # kernels/tuning.py); elsewhere the adapters share the model's dtype.
+        lora_dtype = torch.float32 if config.device == "cpu" else model.dtype
+        self.adapters = AdapterManager(config.adapters, base_shape, lora_dtype, config.device, adapter_sources)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, is_adapter_ready=self.adapters.is_ready)
         self.runner = ModelRunner(model, self.kv_cache, num_blocks, config.device)
         self.sampler = Sampler()
@@ -101,13 +105,18 @@ class Engine:
         request = Request(request_id=request_id, prompt_token_ids=token_ids, params=params)
         state = RequestState(request, prompt_text, self.tokenizer_info)
         if adapter_request is not None:
-            self.adapters.acquire(adapter_request)
+            state.adapter_load = self.adapters.acquire(adapter_request)
             request.adapter_key = adapter_request.key
         self._states[request_id] = state
         if params.best_of > 1:
             self._group_of[request_id] = BestOfGroup(state)
         self.scheduler.add_request(request)
         return request_id
+
+    def adapter_load(self, request_id: str) -> Future | None:
+        """The load of the request's adapter (None without one): done when it is ready or failed."""
+        state = self._states.get(request_id)
+        return state.adapter_load if state is not None else None
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (all its best_of candidates) wherever it is; its KV blocks are freed at

@@ -1,0 +1,108 @@
+"""From the wire's `parameters` to the engine's `SamplingParams` and adapter reference.
+
+Range checks live in `SamplingParams`; this module checks only what is the service's business (limits
+of this server, what a stream cannot do, spellings, the schema forms) and refuses, by name, what the
+engine cannot do yet instead of silently ignoring it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from lora_runtime.core import SamplingParams
+from lora_runtime.errors import ValidationError
+from server.config import ServerConfig
+from server.protocol import GenerateParameters
+
+_SAMPLING_FIELDS = frozenset(field.name for field in dataclasses.fields(SamplingParams))
+
+# Wire fields copied to SamplingParams under the same name when sent (None means "use the default").
+_DIRECT_FIELDS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "typical_p", "seed",
+                  "ignore_eos_token", "best_of", "details", "decoder_input_details",
+                  "return_full_text", "truncate", "watermark", "apply_chat_template")
+
+
+def to_sampling_params(
+    parameters: GenerateParameters | None, config: ServerConfig, is_stream: bool
+) -> SamplingParams:
+    """Build the engine's parameters; raises `ValidationError` naming the field on refusal."""
+    parameters = parameters or GenerateParameters()
+    values: dict[str, Any] = {}
+    for name in _DIRECT_FIELDS:
+        value = getattr(parameters, name)
+        if value is not None:
+            values[name] = value
+    penalty = _repetition_penalty(parameters)
+    if penalty is not None:
+        values["repetition_penalty"] = penalty
+    if parameters.stop:
+        values["stop"] = tuple(parameters.stop)
+    schema = schema_text(parameters)
+    if schema is not None:
+        values["schema"] = schema
+    _check_service_limits(values, config, is_stream)
+    _refuse_unsupported(values)
+    return SamplingParams(**values)
+
+
+def _repetition_penalty(parameters: GenerateParameters) -> float | None:
+    if parameters.repetition_penalty is not None:
+        return parameters.repetition_penalty
+    return parameters.repitition_penalty
+
+
+def schema_text(parameters: GenerateParameters) -> str | None:
+    """The JSON schema as a string, from `schema` (string or object) or LoRAX's `response_format`."""
+    if parameters.schema_ is not None and parameters.response_format is not None:
+        raise ValidationError("schema", "send either schema or response_format, not both")
+    if parameters.response_format is not None:
+        schema = parameters.response_format.schema_
+        # json_object without a schema asks for any JSON object.
+        schema = {"type": "object"} if schema is None else schema
+    else:
+        schema = parameters.schema_
+    if schema is None or isinstance(schema, str):
+        return schema
+    return json.dumps(schema)
+
+
+def _check_service_limits(values: dict[str, Any], config: ServerConfig, is_stream: bool) -> None:
+    if len(values.get("stop", ())) > config.max_stop_sequences:
+        raise ValidationError("stop", f"at most {config.max_stop_sequences} stop sequences")
+    best_of = values.get("best_of", 1)
+    if isinstance(best_of, int) and best_of > config.max_best_of:
+        raise ValidationError("best_of", f"must be <= {config.max_best_of}")
+    if is_stream and isinstance(best_of, int) and best_of > 1:
+        raise ValidationError("best_of", "best_of > 1 is not supported when streaming")
+    if is_stream and values.get("decoder_input_details"):
+        raise ValidationError("decoder_input_details", "not supported when streaming")
+    limit = config.max_new_tokens_limit
+    if limit is not None and values.get("max_new_tokens", 0) > limit:
+        raise ValidationError("max_new_tokens", f"must be <= {limit} on this server")
+
+
+def _refuse_unsupported(values: dict[str, Any]) -> None:
+    """Refuse, by name, a parameter the engine has no field for yet (turned on, not just sent)."""
+    for name in list(values):
+        if name in _SAMPLING_FIELDS:
+            continue
+        if values[name] in (False, None):
+            del values[name]
+            continue
+        raise ValidationError(name, "not supported by this engine yet")
+
+
+def adapter_reference(parameters: GenerateParameters | None) -> None:
+    """The adapter the request asks for, in the form the engine's `add_request(adapter=...)` takes.
+
+    The single place where adapter fields become the engine's adapter argument. No adapter support
+    in the engine yet: a request naming one is refused; none named means the base model (None).
+    """
+    if parameters is None:
+        return None
+    if parameters.merged_adapters is not None:
+        raise ValidationError("merged_adapters", "adapters are not supported by this engine yet")
+    if parameters.adapter_id:
+        raise ValidationError("adapter_id", "adapters are not supported by this engine yet")
+    return None

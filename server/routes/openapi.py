@@ -1,0 +1,66 @@
+"""OpenAPI declarations of the inference routes. Bodies are read and validated by hand (so that
+malformed JSON and wrong types get the service's error shape), hence declared here explicitly."""
+from __future__ import annotations
+
+from typing import Any
+
+from server.protocol import ErrorResponse
+
+_ERRORS = {
+    400: "body is not a JSON object", 401: "missing or unknown token",
+    403: "another tenant's path or deployment", 404: "unknown deployment or adapter",
+    413: "body too large", 422: "invalid parameters", 424: "generation failed",
+    429: "too many requests in flight", 500: "the engine failed an accepted request",
+    503: "shutting down",
+}
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": text} for status, text in _ERRORS.items()
+}
+
+_INT_HEADER = {"schema": {"type": "string", "pattern": "^[0-9]+$"}}
+_MS_HEADER = {"schema": {"type": "string", "pattern": "^[0-9]+(\\.[0-9]+)?$"}}
+_TEXT_HEADER = {"schema": {"type": "string"}}
+GENERATE_HEADERS = {
+    **{name: _INT_HEADER for name in ("x-prompt-tokens", "x-generated-tokens", "x-total-tokens")},
+    **{name: _MS_HEADER for name in ("x-total-time", "x-time-per-token", "x-queue-time",
+                                     "x-time-to-first-token", "x-validation-time",
+                                     "x-inference-time")},
+    **{name: _TEXT_HEADER for name in ("x-model-id", "x-adapter-id", "x-adapter-source")},
+}
+_SSE = {"text/event-stream": {"schema": {"type": "string", "description":
+        "events `data:<StreamResponse JSON>`; an error after the first byte is one "
+        "`data:<ErrorResponse JSON>` event"}}}
+
+
+def _request_body(schema_name: str) -> dict[str, Any]:
+    schema = {"$ref": f"#/components/schemas/{schema_name}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+COMPAT_DOC: dict[str, Any] = {
+    "summary": "Generate (the official clients' route); `stream: true` answers with SSE",
+    "openapi_extra": _request_body("CompatRequest"),
+    "responses": {200: {"description": "a one-element array, or SSE when streaming",
+                        "headers": GENERATE_HEADERS,
+                        "content": {"application/json": {"schema": {"type": "array",
+                                                                    "items": _ref("GenerateResponse")}},
+                                    **_SSE}},
+                  **ERROR_RESPONSES},
+}
+GENERATE_DOC: dict[str, Any] = {
+    "summary": "Generate text in one response",
+    "openapi_extra": _request_body("GenerateRequest"),
+    "responses": {200: {"description": "the generated text", "headers": GENERATE_HEADERS,
+                        "content": {"application/json": {"schema": _ref("GenerateResponse")}}},
+                  **ERROR_RESPONSES},
+}
+STREAM_DOC: dict[str, Any] = {
+    "summary": "Generate text as server-sent events, one per token",
+    "openapi_extra": _request_body("GenerateRequest"),
+    "responses": {200: {"description": "one event per token; the last carries the text",
+                        "content": _SSE}, **ERROR_RESPONSES},
+}

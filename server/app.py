@@ -89,9 +89,10 @@ class DrainingServer(uvicorn.Server):
     in-flight requests get `shutdown_deadline_s` before uvicorn cancels them."""
 
     def __init__(self, app: FastAPI, config: ServerConfig, **uvicorn_options: Any) -> None:
+        options = {"log_level": "info", **uvicorn_options}
         super().__init__(uvicorn.Config(
-            app, host=config.host, port=config.port, log_level="info",
-            timeout_graceful_shutdown=max(1, round(config.shutdown_deadline_s)), **uvicorn_options))
+            app, host=config.host, port=config.port,
+            timeout_graceful_shutdown=max(1, round(config.shutdown_deadline_s)), **options))
         self._app = app
 
     def handle_exit(self, sig: int, frame: Any) -> None:

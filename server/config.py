@@ -21,8 +21,6 @@ class ServerConfig:
     deployments_file: Path | None = None
     max_in_flight: int = 128
     max_body_bytes: int = 1 << 20
-    max_stop_sequences: int = 4
-    max_best_of: int = 4
     # Caps max_new_tokens below the context length when set (operators use it to bound latency).
     max_new_tokens_limit: int | None = None
     keepalive_s: float = 15.0

@@ -1,7 +1,7 @@
 """From the wire's `parameters` to the engine's `SamplingParams` and adapter reference.
 
-Range checks live in `SamplingParams`; this module checks only what is the service's business (limits
-of this server, what a stream cannot do, spellings, the schema forms) and refuses, by name, what the
+Range checks live in `SamplingParams` and limits in the engine; this module checks only what is the
+service's business (this server's cap, what a stream cannot do, spellings, the schema forms) and refuses, by name, what the
 engine cannot do yet instead of silently ignoring it.
 """
 from __future__ import annotations
@@ -68,11 +68,8 @@ def schema_text(parameters: GenerateParameters) -> str | None:
 
 
 def _check_service_limits(values: dict[str, Any], config: ServerConfig, is_stream: bool) -> None:
-    if len(values.get("stop", ())) > config.max_stop_sequences:
-        raise ValidationError("stop", f"at most {config.max_stop_sequences} stop sequences")
+    # The engine checks the stop-sequence and best_of limits; what a stream cannot do is ours.
     best_of = values.get("best_of", 1)
-    if isinstance(best_of, int) and best_of > config.max_best_of:
-        raise ValidationError("best_of", f"must be <= {config.max_best_of}")
     if is_stream and isinstance(best_of, int) and best_of > 1:
         raise ValidationError("best_of", "best_of > 1 is not supported when streaming")
     if is_stream and values.get("decoder_input_details"):

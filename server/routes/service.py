@@ -71,11 +71,12 @@ async def info(request: Request) -> Info:
     state = server_state(request)
     tenant = authenticate(request, state.database)
     config, context = state.config, state.engine.max_model_len
+    engine_limits = state.engine.config.limits
     limits = Limits(
         max_in_flight=config.max_in_flight, max_body_bytes=config.max_body_bytes,
-        max_input_length=context - 1, max_total_tokens=context,
+        max_input_length=engine_limits.max_input_length or context - 1, max_total_tokens=context,
         max_new_tokens=min(context - 1, config.max_new_tokens_limit or context),
-        max_stop_sequences=config.max_stop_sequences, max_best_of=config.max_best_of)
+        max_stop_sequences=engine_limits.max_stop_sequences, max_best_of=engine_limits.max_best_of)
     deployments = [DeploymentInfo(name=d.name, base_model=d.base_model, shared=d.is_shared)
                    for d in visible_deployments(state.database, tenant)]
     return Info(version=_version(), tenant=tenant, base_models=[state.model_name],

@@ -57,8 +57,6 @@ def test_schema_forms_become_one_json_string(body: dict) -> None:
 
 
 @pytest.mark.parametrize(("body", "is_stream", "field"), [
-    ({"stop": ["a", "b", "c", "d", "e"]}, False, "stop"),
-    ({"best_of": 5, "do_sample": True}, False, "best_of"),
     ({"best_of": 2, "do_sample": True}, True, "best_of"),
     ({"decoder_input_details": True}, True, "decoder_input_details"),
     ({"best_of": 2}, False, "best_of"),

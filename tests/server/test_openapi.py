@@ -2,6 +2,8 @@
 against the live server finding no 5xx and no undocumented status, content type or body."""
 from __future__ import annotations
 
+import zlib
+
 import httpx
 import pytest
 import schemathesis
@@ -55,7 +57,7 @@ def test_schemathesis_finds_no_server_error_or_undocumented_response(live) -> No
         def run(case) -> None:
             if "tenant_id" in (case.path_parameters or {}):
                 # Half the cases address the real tenant and deployment, so generation runs too.
-                if hash(case.body if isinstance(case.body, str) else repr(case.body)) % 2 == 0:
+                if zlib.crc32(repr(case.body).encode()) % 2 == 0:
                     case.path_parameters = {"tenant_id": "demo", "deployment_name": live.model_name}
             case.call_and_validate(base_url=live.base_url, headers=headers, checks=CHECKS,
                                    timeout=60)

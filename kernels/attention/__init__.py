@@ -1,0 +1,1 @@
+"""Paged attention: per-step metadata, the CPU path and the Triton kernels."""

@@ -1,0 +1,123 @@
+"""Per-step metadata for paged attention, built once per step and reused by every layer.
+
+It keeps the raw step tensors (for the Triton kernels) and a CPU plan: the decode sequences
+(one new token each) batched into one padded block gather with a length mask, and each prefill or
+chunked-prefill sequence with its own block gather and causal-offset mask, so that the per-layer
+work is a few gathers and attention calls."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class DecodePlan:
+    """All sequences with exactly one new token, attended in one padded batched call."""
+
+    token_rows: torch.Tensor  # [num_decode] int64, row of each decode token in q
+    row_range: tuple[int, int] | None  # (start, end) when token_rows is a contiguous run
+    block_idx: torch.Tensor  # [num_decode * num_blocks] int64, cache blocks to gather, padding -> 0
+    num_blocks: int  # blocks gathered per sequence (enough for the longest context)
+    valid_mask: torch.Tensor  # [num_decode, 1, 1, num_blocks * block_size] bool, key position < seq_len
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillPlan:
+    """One sequence with several new tokens: the last q_len positions of its context."""
+
+    row_start: int
+    row_end: int
+    seq_len: int  # context length including the new tokens
+    block_idx: torch.Tensor  # [ceil(seq_len / block_size)] int64
+    causal_mask: torch.Tensor | None  # [q_len, seq_len] bool; None when q_len == seq_len (plain causal)
+
+
+@dataclass(frozen=True, slots=True)
+class PagedAttentionMeta:
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32, cumulative new-token counts
+    seq_lens: torch.Tensor  # [num_seqs] int32, context length including the new tokens
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
+    block_size: int
+    num_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    decode: DecodePlan | None
+    prefills: tuple[PrefillPlan, ...]
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.numel())
+
+    @classmethod
+    def build(
+        cls,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        block_size: int,
+    ) -> PagedAttentionMeta:
+        """Args: query_start_loc [B+1] (cumulative new tokens per sequence in the flat batch),
+        seq_lens [B] (context length including the new tokens), block_tables [B, max_blocks]
+        (entries past a sequence's last block are arbitrary), block_size (tokens per block)."""
+        starts = query_start_loc.tolist()
+        lens = seq_lens.tolist()
+        q_lens = [end - start for start, end in zip(starts[:-1], starts[1:])]
+        assert all(0 < q <= n for q, n in zip(q_lens, lens)), "need 0 < q_len <= seq_len per sequence"
+        tables_cpu = block_tables.to("cpu", torch.int64)
+        decode_seqs = [b for b, q in enumerate(q_lens) if q == 1]
+        device = block_tables.device
+        return cls(
+            query_start_loc=query_start_loc.to(torch.int32),
+            seq_lens=seq_lens.to(torch.int32),
+            block_tables=block_tables.to(torch.int32),
+            block_size=block_size,
+            num_tokens=starts[-1],
+            max_query_len=max(q_lens, default=0),
+            max_seq_len=max(lens, default=0),
+            decode=_decode_plan(decode_seqs, starts, lens, tables_cpu, block_size, device) if decode_seqs else None,
+            prefills=tuple(
+                _prefill_plan(starts[b], starts[b + 1], lens[b], tables_cpu[b], block_size, device)
+                for b, q in enumerate(q_lens)
+                if q > 1
+            ),
+        )
+
+
+def _decode_plan(
+    seqs: list[int],
+    starts: list[int],
+    lens: list[int],
+    tables: torch.Tensor,
+    block_size: int,
+    device: torch.device,
+) -> DecodePlan:
+    rows = [starts[b] for b in seqs]
+    ctx = torch.tensor([lens[b] for b in seqs], dtype=torch.int64)  # [num_decode]
+    num_blocks = -(-int(ctx.max()) // block_size)
+    blocks = tables[seqs, :num_blocks]  # [num_decode, num_blocks]
+    # Entries past a sequence's last block are arbitrary: point them at block 0 (masked anyway).
+    needed = torch.arange(num_blocks) * block_size < ctx[:, None]
+    blocks = torch.where(needed, blocks, torch.zeros_like(blocks))
+    positions = torch.arange(num_blocks * block_size)
+    contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+    return DecodePlan(
+        token_rows=torch.tensor(rows, dtype=torch.int64, device=device),
+        row_range=(rows[0], rows[0] + len(rows)) if contiguous else None,
+        block_idx=blocks.flatten().to(device),
+        num_blocks=num_blocks,
+        valid_mask=(positions[None, :] < ctx[:, None])[:, None, None, :].to(device),
+    )
+
+
+def _prefill_plan(
+    start: int, end: int, seq_len: int, table: torch.Tensor, block_size: int, device: torch.device
+) -> PrefillPlan:
+    q_len = end - start
+    num_blocks = -(-seq_len // block_size)
+    mask = None
+    if q_len < seq_len:
+        # New token i sits at position seq_len - q_len + i and sees keys up to that position.
+        query_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+        mask = (torch.arange(seq_len)[None, :] <= query_pos).to(device)
+    return PrefillPlan(start, end, seq_len, table[:num_blocks].to(device), mask)

@@ -1,0 +1,106 @@
+"""The public entry points: pick the Triton kernels for CUDA tensors and the PyTorch paths for CPU.
+
+Triton is never launched on CPU outside the interpreter (`TRITON_INTERPRET=1`): there it fails
+with "0 active drivers", so forcing it raises a clear error instead."""
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import torch
+
+from kernels.attention.meta import PagedAttentionMeta
+from kernels.attention.torch_ops import paged_attention_torch, store_kv_torch
+from kernels.lora.meta import LoraBatchMeta
+from kernels.lora.torch_ops import add_lora_torch
+
+BACKENDS = ("torch", "triton")
+
+
+def resolve_backend(device: torch.device, backend: str | None) -> str:
+    """`None` -> "triton" on CUDA, "torch" elsewhere; a forced "triton" on CPU needs the interpreter."""
+    if backend is None:
+        return "triton" if device.type == "cuda" else "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            "backend='triton' on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
+            "before kernels is imported, or use backend='torch'"
+        )
+    return backend
+
+
+def add_lora(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    meta: LoraBatchMeta,
+    scales: torch.Tensor | Sequence[float] | None = None,
+    slice_offsets: torch.Tensor | Sequence[int] | None = None,
+    backend: str | None = None,
+) -> None:
+    """In place: y[t] += (x[t] @ lora_a[s].T) @ lora_b[s].T * scales[s] for s = meta.token_slots[t] >= 0.
+
+    Args:
+        y: [T, total_out] output of the base projection, updated in place.
+        x: [T, hidden_in] input of the projection.
+        lora_a: [S, max_rank * num_slices, hidden_in], ranks zero-padded to max_rank.
+        lora_b: [S, total_out, max_rank].
+        meta: built once per step by `LoraBatchMeta.from_token_slots`.
+        scales: [S] per-slot scale (None = 1, i.e. folded into the weights).
+        slice_offsets: [num_slices + 1] column offsets of a fused projection: slice i's rank block
+            lora_a[:, i*max_rank:(i+1)*max_rank] feeds y[:, slice_offsets[i]:slice_offsets[i+1]].
+        backend: None (by device), "torch" or "triton".
+    """
+    if resolve_backend(y.device, backend) == "triton":
+        from kernels.lora.triton_ops import add_lora_triton
+
+        add_lora_triton(y, x, lora_a, lora_b, meta, scales, slice_offsets)
+    else:
+        add_lora_torch(y, x, lora_a, lora_b, meta, scales, slice_offsets)
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    backend: str | None = None,
+) -> None:
+    """Write new keys/values into the paged cache.
+
+    k, v: [T, num_kv_heads, D]; caches: [num_blocks, block_size, num_kv_heads, D];
+    slot_mapping: [T] int64 = block_id * block_size + offset, negative entries skipped (padding).
+    Semantics: k_cache.view(-1, H, D)[slot_mapping[t]] = k[t] for slot_mapping[t] >= 0.
+    """
+    if resolve_backend(k.device, backend) == "triton":
+        from kernels.attention.triton_ops import store_kv_triton
+
+        store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        store_kv_torch(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: PagedAttentionMeta,
+    scale: float,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its paged context (decode and prefill).
+
+    q: [T, num_heads, D]; caches: [num_blocks, block_size, num_kv_heads, D] with num_heads a
+    multiple of num_kv_heads (head h reads KV head h // group); meta: `PagedAttentionMeta.build`.
+    Returns [T, num_heads, D]. Semantics per sequence: softmax(q @ K^T * scale + causal) @ V where
+    the new tokens are the last q_len positions of the context.
+    """
+    if resolve_backend(q.device, backend) == "triton":
+        from kernels.attention.triton_ops import paged_attention_triton
+
+        return paged_attention_triton(q, k_cache, v_cache, meta, scale)
+    return paged_attention_torch(q, k_cache, v_cache, meta, scale)

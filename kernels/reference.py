@@ -1,0 +1,88 @@
+"""Plain PyTorch twins of every public op, with the same signatures: the test oracle.
+
+Written for clarity, not speed: per-token and per-sequence loops, computed in fp32 and cast back."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from kernels.attention.meta import PagedAttentionMeta
+from kernels.lora.meta import LoraBatchMeta
+
+
+def add_lora(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    meta: LoraBatchMeta,
+    scales: torch.Tensor | Sequence[float] | None = None,
+    slice_offsets: torch.Tensor | Sequence[int] | None = None,
+    backend: str | None = None,
+) -> None:
+    """y[t] += (x[t] @ lora_a[s].T) @ lora_b[s].T * scales[s] for s = token_slots[t] >= 0, per slice.
+
+    `backend` is accepted for signature parity and ignored.
+    """
+    offsets = [int(o) for o in slice_offsets] if slice_offsets is not None else [0, y.shape[1]]
+    max_rank = lora_a.shape[1] // (len(offsets) - 1)
+    for t, slot in enumerate(meta.token_slots.tolist()):
+        if slot < 0:
+            continue
+        scale = 1.0 if scales is None else float(scales[slot])
+        for i in range(len(offsets) - 1):
+            weight_a = lora_a[slot, i * max_rank : (i + 1) * max_rank].float()  # [max_rank, hidden_in]
+            weight_b = lora_b[slot, offsets[i] : offsets[i + 1]].float()  # [width, max_rank]
+            delta = (x[t].float() @ weight_a.T) @ weight_b.T * scale  # [width]
+            y[t, offsets[i] : offsets[i + 1]] = (y[t, offsets[i] : offsets[i + 1]].float() + delta).to(y.dtype)
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """k_cache[slot // block_size, slot % block_size] = k[t] for slot = slot_mapping[t] >= 0 (same for v)."""
+    block_size = k_cache.shape[1]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot >= 0:
+            k_cache[slot // block_size, slot % block_size] = k[t]
+            v_cache[slot // block_size, slot % block_size] = v[t]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: PagedAttentionMeta,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens (the last q_len of its context) over its cached
+    context. q [T, num_heads, D], caches [num_blocks, block_size, num_kv_heads, D] -> [T, num_heads, D].
+    Query head h reads KV head h // (num_heads // num_kv_heads)."""
+    out = torch.empty_like(q)
+    starts = meta.query_start_loc.tolist()
+    for b, seq_len in enumerate(meta.seq_lens.tolist()):
+        positions = torch.arange(seq_len)
+        blocks = meta.block_tables[b].long()[positions // meta.block_size]
+        keys = k_cache[blocks, positions % meta.block_size].float()  # [seq_len, kv_heads, D]
+        values = v_cache[blocks, positions % meta.block_size].float()
+        out[starts[b] : starts[b + 1]] = _causal_attention(
+            q[starts[b] : starts[b + 1]].float(), keys, values, scale
+        ).to(q.dtype)
+    return out
+
+
+def _causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [q_len, H, D] are the last q_len positions of keys/values [seq_len, H_kv, D] -> [q_len, H, D]."""
+    q_len, seq_len = q.shape[0], keys.shape[0]
+    group = q.shape[1] // keys.shape[1]
+    keys = keys.repeat_interleave(group, dim=1)
+    values = values.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, keys) * scale  # [H, q_len, seq_len]
+    query_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+    scores = scores.masked_fill(torch.arange(seq_len)[None, :] > query_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)

@@ -1,0 +1,169 @@
+"""The engine: the only module that wires model, KV cache, scheduler, runner and sampler together.
+
+Life of a step: the scheduler picks tokens -> the runner builds tensors and runs the model -> the
+sampler draws the next token of each request that reached its end -> each request's state updates
+its text and stop criteria -> finished requests leave the scheduler and free their blocks.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from lora_runtime.config import EngineConfig
+from lora_runtime.core import Request, RequestOutput, RequestStatus, SamplingParams
+from lora_runtime.embedded import EMBEDDED_MODEL_NAME, ensure_embedded_model
+from lora_runtime.errors import ValidationError
+from lora_runtime.kv_cache import KVCacheManager
+from lora_runtime.loader import load_model
+from lora_runtime.model_runner import ModelRunner, ModelRunnerOutput
+from lora_runtime.models.llama import LlamaModel
+from lora_runtime.request_state import RequestState
+from lora_runtime.sampling.sampler import Sampler, TokenizerInfo
+from lora_runtime.scheduler import Scheduler
+from lora_runtime.validation import prepare_prompt
+
+logger = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, model: LlamaModel, tokenizer, model_name: str) -> None:
+        self.config = config
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        self.model = model
+        num_blocks = _num_kv_blocks(config, model)
+        self.kv_cache = KVCacheManager(num_blocks, config.kv_cache.block_size_tokens)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache)
+        self.runner = ModelRunner(model, self.kv_cache, num_blocks, config.device)
+        self.sampler = Sampler()
+        self.tokenizer_info = TokenizerInfo(tokenizer, model.shape.vocab_size, _eos_token_ids(tokenizer, model_name))
+        self._states: dict[str, RequestState] = {}
+        self._request_counter = itertools.count()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig | None = None) -> Engine:
+        """Load the configured model (the embedded one by default) and build the engine."""
+        from transformers import AutoTokenizer
+
+        config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        if config.model is None:
+            model_dir, model_name = ensure_embedded_model(config.cache_dir), EMBEDDED_MODEL_NAME
+        else:
+            model_dir = Path(config.model).expanduser()
+            model_name = model_dir.name.lower()
+        model = load_model(model_dir, config.dtype, config.device)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        return cls(config, model, tokenizer, model_name)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model.shape.max_model_len
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Validate and queue a request; returns its id. Raises ValidationError for bad input."""
+        params = params or SamplingParams()
+        prompt_text, token_ids = prepare_prompt(prompt, params, self)
+        request_id = request_id or f"req-{next(self._request_counter)}"
+        if request_id in self._states:
+            raise ValidationError("request_id", f"{request_id!r} is already in use")
+        request = Request(request_id=request_id, prompt_token_ids=token_ids, params=params)
+        self._states[request_id] = RequestState(request, prompt_text, self.tokenizer_info)
+        self.scheduler.add_request(request)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request wherever it is; its KV blocks are freed at once. Unknown ids are ignored."""
+        state = self._states.pop(request_id, None)
+        if state is not None:
+            self.scheduler.finish(state.request, RequestStatus.ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; returns a snapshot of every request that made progress."""
+        output = self.scheduler.schedule()
+        if output.is_empty:
+            return []
+        runner_output = self.runner.execute(output, lora=None)
+        self.scheduler.update_after_step(output)
+        self._record_prompt_logprobs(runner_output)
+        return self._sample_and_update(runner_output)
+
+    def _record_prompt_logprobs(self, runner_output: ModelRunnerOutput) -> None:
+        logits = runner_output.logits
+        for request, first_position, first_row, num_rows in runner_output.rows.prompt_rows:
+            # Row first_row + i scores prompt token first_position + 1 + i.
+            targets = torch.tensor(request.prompt_token_ids[first_position + 1 : first_position + 1 + num_rows])
+            rows = torch.log_softmax(logits[first_row : first_row + num_rows], dim=-1)
+            values = rows.gather(1, targets.to(rows.device)[:, None])[:, 0].tolist()
+            self._states[request.request_id].record_prompt_logprobs(first_position, values)
+
+    def _sample_and_update(self, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
+        rows = runner_output.rows
+        states = [self._states[request.request_id] for request in rows.sample_requests]
+        logits = runner_output.logits[list(rows.sample_rows)]
+        result = self.sampler.sample(logits, [state.sampling for state in states])
+        outputs = []
+        for state, token_id, logprob in zip(states, result.token_ids, result.logprobs):
+            state.append_token(token_id, logprob)
+            if state.is_finished:
+                self.scheduler.finish(state.request)
+                del self._states[state.request_id]
+            outputs.append(state.snapshot())
+        return outputs
+
+    def generate(
+        self,
+        prompts: Sequence[str | list[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        adapters: Sequence[object] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion together; outputs in prompt order."""
+        param_list = _broadcast_params(params, len(prompts))
+        if adapters is not None and any(adapter is not None for adapter in adapters):
+            raise ValidationError("adapters", "adapters are not supported by this engine build")
+        ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, param_list)]
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for output in self.step():
+                if output.finished:
+                    final[output.request_id] = output
+        return [final[request_id] for request_id in ids]
+
+
+def _broadcast_params(params, count: int) -> list[SamplingParams]:
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValidationError("params", f"expected one SamplingParams or {count}, got {len(params)}")
+    return params
+
+
+def _eos_token_ids(tokenizer, model_name: str) -> list[int]:
+    if tokenizer.eos_token_id is None:
+        raise ValidationError("model", f"{model_name}: the tokenizer defines no EOS token")
+    return [tokenizer.eos_token_id]
+
+
+def _num_kv_blocks(config: EngineConfig, model: LlamaModel) -> int:
+    if config.kv_cache.num_blocks is not None:
+        return config.kv_cache.num_blocks
+    shape = model.shape
+    bytes_per_block = (
+        2 * shape.num_layers * config.kv_cache.block_size_tokens * shape.num_kv_heads * shape.head_dim
+        * model.dtype.itemsize
+    )
+    return max(1, config.kv_cache.memory_bytes // bytes_per_block)

@@ -1,0 +1,94 @@
+"""Turns a `SchedulerOutput` into the step's tensors, runs the model, and returns the logits rows.
+It makes no policy decisions: which tokens run was decided by the scheduler."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import kernels
+from lora_runtime.core import Request
+from lora_runtime.forward_batch import ForwardBatch, LoraBatch
+from lora_runtime.kv_cache import KVCacheManager
+from lora_runtime.models.llama import KVCacheTensors, LlamaModel
+from lora_runtime.scheduler import SchedulerOutput
+
+
+@dataclass(frozen=True, slots=True)
+class LogitsRows:
+    """Which logits row belongs to what: a next-token row per sampling request, and for requests
+    asking for prompt logprobs, the rows of their prompt positions in this chunk."""
+
+    sample_requests: tuple[Request, ...]
+    sample_rows: tuple[int, ...]
+    prompt_rows: tuple[tuple[Request, int, int, int], ...]  # (request, first position, first row, rows)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRunnerOutput:
+    logits: torch.Tensor  # [num_rows, vocab] float32
+    rows: LogitsRows
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv_cache: KVCacheManager, num_blocks: int, device: str) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+        self.block_size = kv_cache.block_size_tokens
+        self.cache_tensors = KVCacheTensors.allocate(model.shape, num_blocks, self.block_size, model.dtype, device)
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput, lora: LoraBatch | None) -> ModelRunnerOutput:
+        batch, rows = self.prepare(output, lora)
+        return ModelRunnerOutput(logits=self.model.forward(batch, self.cache_tensors), rows=rows)
+
+    def prepare(self, output: SchedulerOutput, lora: LoraBatch | None) -> tuple[ForwardBatch, LogitsRows]:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        logits_indices: list[int] = []
+        sample_requests: list[Request] = []
+        sample_rows: list[int] = []
+        prompt_rows: list[tuple[Request, int, int, int]] = []
+        for item in output.scheduled:
+            request, start, count = item.request, item.num_computed_tokens, item.num_new_tokens
+            table = self.kv_cache.block_table(request.request_id)
+            first_token = len(input_ids)
+            input_ids.extend(request.all_token_ids[start : start + count])
+            positions.extend(range(start, start + count))
+            slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, start + count))
+            query_start.append(len(input_ids))
+            seq_lens.append(start + count)
+            tables.append(table)
+            # Logits at prompt positions t score prompt token t + 1 (decoder_input_details).
+            num_prompt_rows = min(start + count, request.num_prompt_tokens - 1) - start
+            if request.params.decoder_input_details and num_prompt_rows > 0:
+                prompt_rows.append((request, start, len(logits_indices), num_prompt_rows))
+                logits_indices.extend(range(first_token, first_token + num_prompt_rows))
+            if item.samples_next_token:
+                sample_requests.append(request)
+                sample_rows.append(len(logits_indices))
+                logits_indices.append(len(input_ids) - 1)
+        batch = ForwardBatch(
+            input_ids=self._tensor(input_ids),
+            positions=self._tensor(positions),
+            slot_mapping=self._tensor(slots),
+            attention=kernels.PagedAttentionMeta.build(
+                self._tensor(query_start), self._tensor(seq_lens), self._block_tables(tables), self.block_size
+            ),
+            logits_indices=self._tensor(logits_indices),
+            lora=lora,
+        )
+        return batch, LogitsRows(tuple(sample_requests), tuple(sample_rows), tuple(prompt_rows))
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+    def _block_tables(self, tables: list[list[int]]) -> torch.Tensor:
+        width = max(len(table) for table in tables)
+        padded = [table + [0] * (width - len(table)) for table in tables]
+        return torch.tensor(padded, dtype=torch.int32, device=self.device)

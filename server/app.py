@@ -19,7 +19,8 @@ from server.config import ServerConfig
 from server.db import Database
 from server.errors import install_error_handlers
 from server.metrics import ServerMetrics
-from server.protocol import CompatRequest, GenerateRequest, GenerateResponse, StreamResponse
+from server.protocol import (CompatRequest, ErrorResponse, GenerateRequest, GenerateResponse,
+                             StreamResponse)
 from server.routes import inference, service
 from server.state import ServerState
 
@@ -71,7 +72,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
         return app.openapi_schema
     document = get_openapi(title=app.title, version=app.version, routes=app.routes)
     schemas = document.setdefault("components", {}).setdefault("schemas", {})
-    for model in (GenerateRequest, CompatRequest, GenerateResponse, StreamResponse):
+    for model in (GenerateRequest, CompatRequest, GenerateResponse, StreamResponse, ErrorResponse):
         model_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(model_schema.pop("$defs", {}))
         schemas[model.__name__] = model_schema

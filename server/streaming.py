@@ -70,9 +70,11 @@ class CleanupStreamingResponse(StreamingResponse):
     """A streaming response that runs `on_close` however it ends: finished, failed, or the client
     gone before or during the body (Starlette then cancels the body without closing it)."""
 
+    media_type = "text/event-stream"
+
     def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]],
-                 headers: dict[str, str]) -> None:
-        super().__init__(content, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+                 headers: dict[str, str], status_code: int = 200) -> None:
+        super().__init__(content, status_code, headers={**SSE_HEADERS, **headers})
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.protocol import ErrorResponse
+from server.streaming import CleanupStreamingResponse
 
 _ERRORS = {
     400: "body is not a JSON object", 401: "missing or unknown token",
@@ -13,8 +13,10 @@ _ERRORS = {
     429: "too many requests in flight", 500: "the engine failed an accepted request",
     503: "shutting down",
 }
+# Content given explicitly (not `model`): FastAPI would give errors the stream route's media type.
+_ERROR_CONTENT = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse, "description": text} for status, text in _ERRORS.items()
+    status: {"description": text, "content": _ERROR_CONTENT} for status, text in _ERRORS.items()
 }
 
 _INT_HEADER = {"schema": {"type": "string", "pattern": "^[0-9]+$"}}
@@ -27,9 +29,14 @@ GENERATE_HEADERS = {
                                      "x-inference-time")},
     **{name: _TEXT_HEADER for name in ("x-model-id", "x-adapter-id", "x-adapter-source")},
 }
-_SSE = {"text/event-stream": {"schema": {"type": "string", "description":
-        "events `data:<StreamResponse JSON>`; an error after the first byte is one "
-        "`data:<ErrorResponse JSON>` event"}}}
+# OpenAPI 3.1: the schema of an event-stream describes one event; `data` holds a JSON chunk, or
+# the error event that ends a stream failing after its first byte.
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string", "contentMediaType": "application/json",
+             "contentSchema": {"anyOf": [{"$ref": "#/components/schemas/StreamResponse"},
+                                         {"$ref": "#/components/schemas/ErrorResponse"}]}},
+    "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
+_SSE = {"text/event-stream": {"schema": _SSE_EVENT}}
 
 
 def _request_body(schema_name: str) -> dict[str, Any]:
@@ -59,6 +66,7 @@ GENERATE_DOC: dict[str, Any] = {
                   **ERROR_RESPONSES},
 }
 STREAM_DOC: dict[str, Any] = {
+    "response_class": CleanupStreamingResponse,
     "summary": "Generate text as server-sent events, one per token",
     "openapi_extra": _request_body("GenerateRequest"),
     "responses": {200: {"description": "one event per token; the last carries the text",

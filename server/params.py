@@ -12,6 +12,7 @@ from typing import Any
 
 from lora_runtime.core import SamplingParams
 from lora_runtime.errors import ValidationError
+from lora_runtime.sampling.schema import schema_from_response_format
 from server.config import ServerConfig
 from server.protocol import GenerateParameters
 
@@ -57,14 +58,9 @@ def schema_text(parameters: GenerateParameters) -> str | None:
     if parameters.schema_ is not None and parameters.response_format is not None:
         raise ValidationError("schema", "send either schema or response_format, not both")
     if parameters.response_format is not None:
-        schema = parameters.response_format.schema_
-        # json_object without a schema asks for any JSON object.
-        schema = {"type": "object"} if schema is None else schema
-    else:
-        schema = parameters.schema_
-    if schema is None or isinstance(schema, str):
-        return schema
-    return json.dumps(schema)
+        return schema_from_response_format(parameters.response_format.model_dump(by_alias=True))
+    schema = parameters.schema_
+    return schema if schema is None or isinstance(schema, str) else json.dumps(schema)
 
 
 def _check_service_limits(values: dict[str, Any], config: ServerConfig, is_stream: bool) -> None:

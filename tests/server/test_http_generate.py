@@ -140,3 +140,26 @@ def test_explicit_nulls_are_accepted(live, explicit_nulls: bool) -> None:
                        "seed": None, "best_of": None, "truncate": None, "response_format": None}
     response = post(live, "/generate", {"inputs": PROMPT, "parameters": parameters})
     assert response.status_code == 200, response.text
+
+
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+          "additionalProperties": False}
+
+
+@pytest.mark.parametrize("constraint", [{"schema": json.dumps(SCHEMA)},
+                                        {"response_format": {"type": "json_object", "schema": SCHEMA}}])
+def test_schema_constrains_the_output(live, constraint: dict) -> None:
+    import jsonschema
+
+    response = post(live, "/generate", {"inputs": "How many legs has a cat? Answer in JSON.",
+                                        "parameters": {"max_new_tokens": 40, "details": True, **constraint}})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["details"]["finish_reason"] == "eos_token"
+    jsonschema.validate(json.loads(body["generated_text"]), SCHEMA)
+
+
+def test_a_schema_that_cannot_compile_is_422_before_generation(live) -> None:
+    response = post(live, "/generate_stream", {"inputs": "Hi", "parameters": {"schema": "{not json"}})
+    assert response.status_code == 422 and response.json()["error_type"] == "validation"
+    assert "schema" in response.json()["error"]

@@ -16,7 +16,7 @@ from tests.server.live import start_live_server
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_schema_conformance]
-EXAMPLES_PER_OPERATION = 12
+EXAMPLES_PER_OPERATION = 8
 
 
 @pytest.fixture(scope="module")

@@ -63,6 +63,7 @@ def test_schema_forms_become_one_json_string(body: dict) -> None:
     ({"temperature": -0.5}, False, "temperature"),
     ({"top_p": 1.5}, False, "top_p"),
     ({"schema": "{}", "response_format": {"type": "json_object"}}, False, "schema"),
+    ({"response_format": {"type": "json_schema"}}, False, "response_format"),
 ])
 def test_refusals_name_the_field(body: dict, is_stream: bool, field: str) -> None:
     with pytest.raises(ValidationError) as refused:

@@ -2,7 +2,6 @@
 (started with the app, drained and stopped with it), plus the uvicorn server that drains first."""
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator

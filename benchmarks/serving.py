@@ -154,14 +154,14 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def local_server(max_in_flight: int, model: str | None, dtype: str | None) -> Iterator[Target]:
+def local_server(max_in_flight: int, engine_options: dict[str, str]) -> Iterator[Target]:
     """`python -m server` in a subprocess on a fresh data directory, using its demo token."""
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as data_dir:
         port = _free_port()
         command = [sys.executable, "-m", "server", "--port", str(port), "--data-dir", data_dir,
                    "--max-in-flight", str(max_in_flight)]
-        command += ["--model", model] if model else []
-        command += ["--dtype", dtype] if dtype else []
+        for name, value in engine_options.items():
+            command += [f"--{name}", value]
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             base_url = f"http://127.0.0.1:{port}"
@@ -224,6 +224,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model")
     parser.add_argument("--dtype")
+    parser.add_argument("--device")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     return parser.parse_args(argv)
 
@@ -240,7 +241,8 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit("--token is required with --url")
         server = contextlib.nullcontext(Target(args.url.rstrip("/"), args.token, args.tenant, args.deployment))
     else:
-        server = local_server(max(levels), args.model, args.dtype)
+        options = {"model": args.model, "dtype": args.dtype, "device": args.device}
+        server = local_server(max(levels), {k: v for k, v in options.items() if v})
     reports = []
     with server as target:
         for level in levels:

@@ -35,6 +35,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="TOML file of private deployments (default: DIR/deployments.toml if present)")
     parser.add_argument("--model", default=None, help="model directory (default: the embedded model)")
     parser.add_argument("--dtype", default=None, help="model dtype, e.g. float32 or bfloat16")
+    parser.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda")
     parser.add_argument("--max-in-flight", type=int, default=_DEFAULTS.max_in_flight)
     parser.add_argument("--max-body-bytes", type=int, default=_DEFAULTS.max_body_bytes)
     parser.add_argument("--shutdown-deadline", type=float, default=_DEFAULTS.shutdown_deadline_s)
@@ -80,8 +81,8 @@ def _serve(args: argparse.Namespace, config: ServerConfig, database: Database) -
     from server.deployments import read_deployments_file, register_deployments
 
     demo_token = _ensure_demo_tenant(database, config.data_dir)
-    engine_options = {key: value for key, value in (("model", args.model), ("dtype", args.dtype))
-                      if value is not None}
+    options = (("model", args.model), ("dtype", args.dtype), ("device", args.device))
+    engine_options = {key: value for key, value in options if value is not None}
     engine = Engine.from_config(EngineConfig(**engine_options))
     private = read_deployments_file(config.deployments_file) if config.deployments_file else []
     register_deployments(database, [engine.model_name], private)
@@ -98,7 +99,7 @@ def _announce_demo(config: ServerConfig, model_name: str, token: str) -> None:
         f"Created tenant '{DEMO_TENANT}'. Its token (also in {token_file}):\n  {token}\n"
         f"Try:\n  curl -s {url} -H \"Authorization: Bearer $(cat {token_file})\" "
         "-H 'Content-Type: application/json' "
-        "-d '{\"inputs\": \"What is a LoRA adapter?\", \"parameters\": {\"max_new_tokens\": 40}}'\n")
+        "-d '{\"inputs\": \"A LoRA adapter is\", \"parameters\": {\"max_new_tokens\": 40}}'\n")
     sys.stdout.flush()
 
 

@@ -20,7 +20,7 @@ from server.errors import install_error_handlers
 from server.metrics import ServerMetrics
 from server.protocol import (CompatRequest, ErrorResponse, GenerateRequest, GenerateResponse,
                              StreamResponse)
-from server.routes import inference, service
+from server.routes import control, inference, service
 from server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -38,6 +38,7 @@ def create_app(config: ServerConfig, engine, database: Database) -> FastAPI:
     install_error_handlers(app)
     app.include_router(inference.router)
     app.include_router(service.router)
+    app.include_router(control.router)
     app.openapi = lambda: _openapi(app)
     return app
 

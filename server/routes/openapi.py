@@ -11,13 +11,20 @@ _ERRORS = {
     403: "another tenant's path or deployment", 404: "unknown deployment or adapter",
     413: "body too large", 422: "invalid parameters", 424: "generation failed",
     429: "too many requests in flight", 500: "the engine failed an accepted request",
-    503: "shutting down",
+    503: "shutting down, or the engine is not ready",
 }
 # Content given explicitly (not `model`): FastAPI would give errors the stream route's media type.
 _ERROR_CONTENT = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"description": text, "content": _ERROR_CONTENT} for status, text in _ERRORS.items()
 }
+
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The documented error responses for `statuses`."""
+    return {status: ERROR_RESPONSES[status] for status in statuses}
+
 
 _INT_HEADER = {"schema": {"type": "string", "pattern": "^[0-9]+$"}}
 _MS_HEADER = {"schema": {"type": "string", "pattern": "^[0-9]+(\\.[0-9]+)?$"}}

@@ -10,7 +10,7 @@ from pydantic import BaseModel
 
 from server.auth import authenticate
 from server.errors import error_body
-from server.protocol import ErrorResponse
+from server.routes.openapi import error_responses
 from server.state import server_state
 from server.tenancy import visible_deployments
 
@@ -53,8 +53,7 @@ def _version() -> str:
         return "0.1.0"
 
 
-@router.get("/health", response_model=Health,
-            responses={503: {"model": ErrorResponse, "description": "engine not ready"}})
+@router.get("/health", response_model=Health, responses=error_responses(503))
 async def health(request: Request) -> Response:
     state = server_state(request)
     is_alive = state.async_engine is not None and state.async_engine.is_running
@@ -63,7 +62,7 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
 
-@router.get("/info", response_model=Info, responses={401: {"model": ErrorResponse}})
+@router.get("/info", response_model=Info, responses=error_responses(401))
 async def info(request: Request) -> Info:
     state = server_state(request)
     tenant = authenticate(request, state.database)
@@ -83,7 +82,7 @@ async def info(request: Request) -> Info:
 @router.get("/metrics", response_class=Response,
             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
                              "description": "Prometheus text format"},
-                       401: {"model": ErrorResponse}})
+                       **error_responses(401)})
 async def metrics(request: Request) -> Response:
     state = server_state(request)
     authenticate(request, state.database)

@@ -16,13 +16,13 @@ from tests.server.live import start_live_server
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_schema_conformance]
-EXAMPLES_PER_OPERATION = 8
+EXAMPLES_PER_OPERATION = 6
 
 
 @pytest.fixture(scope="module")
 def live(engine, tmp_path_factory):
     # Generated requests may ask for many tokens; cap them so the run stays bounded.
-    server = start_live_server(engine, tmp_path_factory.mktemp("openapi"), max_new_tokens_limit=4,
+    server = start_live_server(engine, tmp_path_factory.mktemp("openapi"), max_new_tokens_limit=2,
                                max_in_flight=4)
     yield server
     server.stop()

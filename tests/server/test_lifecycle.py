@@ -1,5 +1,5 @@
-"""Graceful shutdown: new requests get 503 shutting_down, in-flight ones finish within the deadline,
-and past it they are cancelled with their blocks freed."""
+"""Server lifecycle: SSE keep-alives during silence; graceful shutdown (new requests get 503
+shutting_down, in-flight ones finish within the deadline, past it they are cancelled and freed)."""
 from __future__ import annotations
 
 import json
@@ -62,3 +62,18 @@ def test_requests_past_the_deadline_are_cancelled_and_freed(engine, tmp_path) ->
     assert not reader.is_alive()
     assert not any(event.get("generated_text") for event in events)
     assert engine_is_empty(engine)
+
+
+def test_silence_gets_keepalive_comments_between_events(engine, tmp_path) -> None:
+    live = start_live_server(engine, tmp_path, keepalive_s=0.005)
+    try:
+        with httpx.stream("POST", live.prefix() + "/generate_stream", headers=live.headers(), timeout=60,
+                          json={"inputs": "Count:", "parameters": {"max_new_tokens": 6}}) as response:
+            raw = response.read()
+    finally:
+        live.stop()
+    blocks = raw[:-2].split(b"\n\n")
+    assert b":" in blocks, "no keep-alive comment was sent"
+    events = [json.loads(block[5:]) for block in blocks if block != b":"]
+    assert all(block == b":" or block.startswith(b"data:") for block in blocks)
+    assert len(events) == 6 and events[-1]["generated_text"] is not None

@@ -2,8 +2,9 @@
 (started with the app, drained and stopped with it), plus the uvicorn server that drains first."""
 from __future__ import annotations
 
+import asyncio
 import logging
-import time
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -24,6 +25,8 @@ from server.routes import control, inference, service
 from server.state import ServerState
 
 logger = logging.getLogger(__name__)
+# Seconds uvicorn waits past the drain deadline, for the aborted requests' answers to go out.
+_GRACE_MARGIN_S = 3
 
 
 def create_app(config: ServerConfig, engine, database: Database) -> FastAPI:
@@ -49,21 +52,23 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     async_engine = AsyncEngine(state.engine)
     await async_engine.start()
     state.async_engine = async_engine
+    state.loop = asyncio.get_running_loop()
     try:
         yield
     finally:
-        await _drain_and_stop(state)
+        await _drain(state)
+        await async_engine.shutdown(0.0)
 
 
-async def _drain_and_stop(state: ServerState) -> None:
-    """Refuse new requests, let those in flight finish within the deadline, then stop the engine
-    (which aborts whatever is left)."""
-    deadline = time.monotonic() + state.config.shutdown_deadline_s
+async def _drain(state: ServerState) -> None:
+    """Refuse new requests and give those in flight until the deadline; then abort the rest in the
+    engine, so that each still gets an answer (500, or an error event on a stream) before uvicorn
+    closes its connection."""
     state.admission.begin_draining()
     if not await state.admission.wait_idle(state.config.shutdown_deadline_s):
         logger.warning("%d requests still in flight at the shutdown deadline; aborting them",
                        state.admission.num_in_flight)
-    await state.async_engine.shutdown(max(deadline - time.monotonic(), 0.0))
+        await state.async_engine.shutdown(0.0)
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
@@ -86,21 +91,32 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn, but on the exit signal the app first refuses new requests with 503 shutting_down;
-    in-flight requests get `shutdown_deadline_s` before uvicorn cancels them."""
+    """uvicorn, but on the exit signal the app first refuses new requests (503 shutting_down) and
+    starts the drain: in-flight requests get `shutdown_deadline_s`, then the engine aborts them.
+    uvicorn's own grace period is a little longer, so those aborts still reach the clients."""
 
     def __init__(self, app: FastAPI, config: ServerConfig, **uvicorn_options: Any) -> None:
         options = {"log_level": "info", **uvicorn_options}
-        super().__init__(uvicorn.Config(
-            app, host=config.host, port=config.port,
-            timeout_graceful_shutdown=max(1, round(config.shutdown_deadline_s)), **options))
-        self._app = app
+        grace_s = math.ceil(config.shutdown_deadline_s) + _GRACE_MARGIN_S
+        super().__init__(uvicorn.Config(app, host=config.host, port=config.port,
+                                        timeout_graceful_shutdown=grace_s, **options))
+        self._state: ServerState = app.state.server
+        self._drain_task: asyncio.Future | None = None
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        self._app.state.server.admission.begin_draining()
+        self._begin_drain()
         super().handle_exit(sig, frame)
 
     def request_exit(self) -> None:
         """Begin a graceful shutdown from another thread (what a SIGTERM does)."""
-        self._app.state.server.admission.begin_draining()
+        self._begin_drain()
         self.should_exit = True
+
+    def _begin_drain(self) -> None:
+        is_first = not self._state.admission.is_draining
+        self._state.admission.begin_draining()
+        if is_first and self._state.loop is not None:
+            self._state.loop.call_soon_threadsafe(self._start_drain_task)
+
+    def _start_drain_task(self) -> None:
+        self._drain_task = asyncio.ensure_future(_drain(self._state))

@@ -1,6 +1,7 @@
 """What the routes share: configuration, database, the engine bridge, admission and metrics."""
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from starlette.requests import HTTPConnection
@@ -21,6 +22,7 @@ class ServerState:
     admission: Admission
     metrics: ServerMetrics | None
     async_engine: AsyncEngine | None = None  # set when the app starts
+    loop: asyncio.AbstractEventLoop | None = None  # the app's event loop, set when it starts
 
     @property
     def model_name(self) -> str:

@@ -52,7 +52,7 @@ def test_drain_refuses_new_requests_and_finishes_those_in_flight(engine, tmp_pat
     assert engine_is_empty(engine)
 
 
-def test_requests_past_the_deadline_are_cancelled_and_freed(engine, tmp_path) -> None:
+def test_requests_past_the_deadline_end_with_an_error_event_and_are_freed(engine, tmp_path) -> None:
     live = start_live_server(engine, tmp_path, shutdown_deadline_s=1)
     reader, events = stream_in_background(live, 1500)
     started = time.monotonic()
@@ -61,6 +61,7 @@ def test_requests_past_the_deadline_are_cancelled_and_freed(engine, tmp_path) ->
     reader.join(30)
     assert not reader.is_alive()
     assert not any(event.get("generated_text") for event in events)
+    assert events[-1]["error_type"] == "incomplete_generation" and "token" not in events[-1]
     assert engine_is_empty(engine)
 
 

@@ -1,18 +1,19 @@
 """The service's database: one SQLAlchemy engine, a read and a write session factory, and the
-declarative base of the service's own tables.
+declarative base of the service's own tables (`Base.metadata`).
 
 SQLite (the default, in the data directory) runs with WAL, foreign keys on and `BEGIN IMMEDIATE`
 for write transactions, so concurrent writers wait for the lock up front instead of failing on
-upgrade. Other tables (the adapter registry) may use their own `DeclarativeBase`: create them with
-`their_metadata.create_all(database.engine)` on the same engine.
+upgrade. Other tables (the adapter registry) may use their own `DeclarativeBase`: pass its
+metadata to `open_database(url, [RegistryBase.metadata])`, and use `database.sessions` /
+`database.write()` for them too.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, MetaData, create_engine, event
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 
 _IMMEDIATE = "sqlite_begin_immediate"
@@ -44,12 +45,14 @@ class Database:
         self.engine.dispose()
 
 
-def open_database(url: str) -> Database:
-    """Connect to `url`, create the server's tables if missing, and return the session factories."""
+def open_database(url: str, other_metadata: Iterable[MetaData] = ()) -> Database:
+    """Connect to `url`, create the server's tables (and those of `other_metadata`, e.g. the adapter
+    registry's) if missing, and return the session factories."""
     engine = create_engine(url, future=True)
     if engine.dialect.name == "sqlite":
         _configure_sqlite(engine)
-    Base.metadata.create_all(engine)
+    for metadata in (Base.metadata, *other_metadata):
+        metadata.create_all(engine)
     write_engine = engine.execution_options(**{_IMMEDIATE: True})
     return Database(
         engine=engine,

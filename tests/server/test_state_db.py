@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import inspect, text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from server.__main__ import _ensure_demo_tenant
 from server.db import open_database
@@ -108,4 +109,21 @@ def test_cli_creates_tokens_and_lists_tenants(tmp_path: Path) -> None:
     assert run("tenants", "list").split() == ["acme"]
     database = open_database(f"sqlite:///{tmp_path / 'state.db'}")
     assert tenant_of_token(database, token) == "acme"
+    database.dispose()
+
+
+def test_other_tables_are_created_on_the_same_database(tmp_path: Path) -> None:
+    class OtherBase(DeclarativeBase):
+        pass
+
+    class Thing(OtherBase):
+        __tablename__ = "things"
+        id: Mapped[int] = mapped_column(primary_key=True)
+
+    database = open_database(f"sqlite:///{tmp_path / 'state.db'}", [OtherBase.metadata])
+    assert {"tenants", "api_tokens", "deployments", "things"} <= set(inspect(database.engine).get_table_names())
+    with database.write() as session:
+        session.add(Thing(id=1))
+    with database.read() as session:
+        assert session.get(Thing, 1) is not None
     database.dispose()

@@ -2,6 +2,7 @@
 
 Public API: `Engine`, `EngineConfig`, `SamplingParams`, `RequestOutput`, `AsyncEngine`.
 """
+from lora_runtime.adapters.merge import MergedAdapters
 from lora_runtime.async_engine import AsyncEngine, EngineStats, RequestStream
 from lora_runtime.config import EngineConfig
 from lora_runtime.core import RequestOutput, SamplingParams
@@ -14,6 +15,7 @@ __all__ = [
     "EngineConfig",
     "EngineError",
     "EngineStats",
+    "MergedAdapters",
     "RequestOutput",
     "RequestStream",
     "SamplingParams",

@@ -13,31 +13,42 @@ from pathlib import Path
 
 import torch
 
+from lora_runtime.adapters.manager import AdapterManager, SourceResolver
+from lora_runtime.adapters.weights import BaseModelShape
 from lora_runtime.config import EngineConfig
 from lora_runtime.core import Request, RequestOutput, RequestStatus, SamplingParams
 from lora_runtime.embedded import EMBEDDED_MODEL_NAME, ensure_embedded_model
-from lora_runtime.errors import ValidationError
+from lora_runtime.errors import EngineError, ValidationError
 from lora_runtime.kv_cache import KVCacheManager
 from lora_runtime.loader import load_model
 from lora_runtime.model_runner import ModelRunner, ModelRunnerOutput
 from lora_runtime.models.llama import LlamaModel
 from lora_runtime.request_state import RequestState
 from lora_runtime.sampling.sampler import Sampler, TokenizerInfo
-from lora_runtime.scheduler import Scheduler
+from lora_runtime.scheduler import Scheduler, SchedulerOutput
 from lora_runtime.validation import prepare_prompt
 
 logger = logging.getLogger(__name__)
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, model: LlamaModel, tokenizer, model_name: str) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: LlamaModel,
+        tokenizer,
+        model_name: str,
+        adapter_sources: dict[str, SourceResolver] | None = None,
+    ) -> None:
         self.config = config
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.model = model
         num_blocks = _num_kv_blocks(config, model)
         self.kv_cache = KVCacheManager(num_blocks, config.kv_cache.block_size_tokens)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache)
+        base_shape = BaseModelShape(model_name, model.shape.num_layers, model.shape.module_dims())
+        self.adapters = AdapterManager(config.adapters, base_shape, model.dtype, config.device, adapter_sources)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, is_adapter_ready=self.adapters.is_ready)
         self.runner = ModelRunner(model, self.kv_cache, num_blocks, config.device)
         self.sampler = Sampler()
         self.tokenizer_info = TokenizerInfo(tokenizer, model.shape.vocab_size, _eos_token_ids(tokenizer, model_name))
@@ -45,7 +56,7 @@ class Engine:
         self._request_counter = itertools.count()
 
     @classmethod
-    def from_config(cls, config: EngineConfig | None = None) -> Engine:
+    def from_config(cls, config: EngineConfig | None = None, adapter_sources: dict[str, SourceResolver] | None = None) -> Engine:
         """Load the configured model (the embedded one by default) and build the engine."""
         from transformers import AutoTokenizer
 
@@ -59,7 +70,7 @@ class Engine:
             model_name = model_dir.name.lower()
         model = load_model(model_dir, config.dtype, config.device)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        return cls(config, model, tokenizer, model_name)
+        return cls(config, model, tokenizer, model_name, adapter_sources)
 
     @property
     def max_model_len(self) -> int:
@@ -69,16 +80,28 @@ class Engine:
         self,
         prompt: str | list[int],
         params: SamplingParams | None = None,
+        adapter: object = None,
         request_id: str | None = None,
+        api_token: str | None = None,
     ) -> str:
-        """Validate and queue a request; returns its id. Raises ValidationError for bad input."""
+        """Validate and queue a request; returns its id. Raises ValidationError for bad input.
+
+        `adapter`: None (base model), an adapter id (a local PEFT directory path works), an
+        `AdapterRef`, a `MergedAdapters` or an `AdapterRequest`. It loads in the background; other
+        requests keep running meanwhile, and a failed load fails this request only.
+        """
         params = params or SamplingParams()
         prompt_text, token_ids = prepare_prompt(prompt, params, self)
+        adapter_request = self.adapters.parse(adapter, api_token)
         request_id = request_id or f"req-{next(self._request_counter)}"
         if request_id in self._states:
             raise ValidationError("request_id", f"{request_id!r} is already in use")
         request = Request(request_id=request_id, prompt_token_ids=token_ids, params=params)
-        self._states[request_id] = RequestState(request, prompt_text, self.tokenizer_info)
+        state = RequestState(request, prompt_text, self.tokenizer_info)
+        if adapter_request is not None:
+            self.adapters.acquire(adapter_request)
+            request.adapter_key = adapter_request.key
+        self._states[request_id] = state
         self.scheduler.add_request(request)
         return request_id
 
@@ -86,20 +109,52 @@ class Engine:
         """Cancel a request wherever it is; its KV blocks are freed at once. Unknown ids are ignored."""
         state = self._states.pop(request_id, None)
         if state is not None:
-            self.scheduler.finish(state.request, RequestStatus.ABORTED)
+            self._finish(state, RequestStatus.ABORTED)
+
+    def _finish(self, state: RequestState, status: RequestStatus = RequestStatus.FINISHED) -> None:
+        """Take the request out of the scheduler (its blocks return at once) and unpin its adapter."""
+        self.scheduler.finish(state.request, status)
+        self._states.pop(state.request_id, None)
+        if state.request.adapter_key:
+            self.adapters.release(state.request.adapter_key)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; returns a snapshot of every request that made progress."""
+        """Run one scheduling step; returns a snapshot of every request that made progress (or failed)."""
+        failed = self._fail_requests_with_failed_adapters()
         output = self.scheduler.schedule()
         if output.is_empty:
-            return []
-        runner_output = self.runner.execute(output, lora=None)
+            return failed
+        runner_output = self.runner.execute(output, lora=self._lora_for_step(output))
         self.scheduler.update_after_step(output)
         self._record_prompt_logprobs(runner_output)
-        return self._sample_and_update(runner_output)
+        return failed + self._sample_and_update(runner_output)
+
+    def _fail_requests_with_failed_adapters(self) -> list[RequestOutput]:
+        failed = []
+        for request in list(self.scheduler.waiting):
+            error = self.adapters.failure(request.adapter_key) if request.adapter_key else None
+            if error is not None:
+                state = self._states[request.request_id]
+                state.fail(error if isinstance(error, EngineError) else EngineError(str(error)))
+                self._finish(state, RequestStatus.ABORTED)
+                failed.append(state.snapshot())
+        return failed
+
+    def _lora_for_step(self, output: SchedulerOutput):
+        """Per-token adapter slots of the step (-1 = base model), or None when no token has one."""
+        keys = output.adapter_keys
+        if not keys:
+            return None
+        slot_of = self.adapters.assign_slots(keys)
+        token_slots = [
+            slot_of[item.request.adapter_key] if item.request.adapter_key else -1
+            for item in output.scheduled
+            for _ in range(item.num_new_tokens)
+        ]
+        return self.adapters.lora_batch(torch.tensor(token_slots, dtype=torch.int64, device=self.config.device))
 
     def _record_prompt_logprobs(self, runner_output: ModelRunnerOutput) -> None:
         logits = runner_output.logits
@@ -113,14 +168,15 @@ class Engine:
     def _sample_and_update(self, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
         rows = runner_output.rows
         states = [self._states[request.request_id] for request in rows.sample_requests]
-        logits = runner_output.logits[list(rows.sample_rows)]
+        logits = runner_output.logits
+        if rows.sample_rows != tuple(range(logits.shape[0])):  # prompt rows are mixed in
+            logits = logits[list(rows.sample_rows)]
         result = self.sampler.sample(logits, [state.sampling for state in states])
         outputs = []
         for state, token_id, logprob in zip(states, result.token_ids, result.logprobs):
             state.append_token(token_id, logprob)
             if state.is_finished:
-                self.scheduler.finish(state.request)
-                del self._states[state.request_id]
+                self._finish(state)
             outputs.append(state.snapshot())
         return outputs
 
@@ -130,11 +186,13 @@ class Engine:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         adapters: Sequence[object] | None = None,
     ) -> list[RequestOutput]:
-        """Run prompts to completion together; outputs in prompt order."""
+        """Run prompts to completion together; outputs in prompt order. A request whose adapter
+        failed to load comes back with `error` set and no tokens; the others are unaffected."""
         param_list = _broadcast_params(params, len(prompts))
-        if adapters is not None and any(adapter is not None for adapter in adapters):
-            raise ValidationError("adapters", "adapters are not supported by this engine build")
-        ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, param_list)]
+        adapter_list = list(adapters) if adapters is not None else [None] * len(prompts)
+        if len(adapter_list) != len(prompts):
+            raise ValidationError("adapters", f"expected {len(prompts)} entries, got {len(adapter_list)}")
+        ids = [self.add_request(prompt, p, adapter) for prompt, p, adapter in zip(prompts, param_list, adapter_list)]
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):
             for output in self.step():

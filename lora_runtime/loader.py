@@ -8,6 +8,7 @@ import torch
 from safetensors import safe_open
 
 from lora_runtime.errors import ValidationError
+from lora_runtime.layers.linear import Linear
 from lora_runtime.layers.rotary import RotaryEmbedding
 from lora_runtime.models.architectures import ModelShape, model_shape_from_config, rope_frequencies
 from lora_runtime.models.llama import LayerWeights, LlamaModel, ModelWeights
@@ -47,13 +48,17 @@ def _layer_weights(reader: _TensorReader, shape: ModelShape, layer_idx: int) -> 
     attn = [f"{prefix}self_attn.{name}_proj" for name in ("q", "k", "v")]
     return LayerWeights(
         input_norm=reader.get(prefix + "input_layernorm.weight"),
-        qkv=reader.fused([name + ".weight" for name in attn]),
-        qkv_bias=reader.fused([name + ".bias" for name in attn]) if shape.qkv_bias else None,
-        o=reader.get(prefix + "self_attn.o_proj.weight"),
-        o_bias=reader.get(prefix + "self_attn.o_proj.bias") if shape.o_bias else None,
+        qkv=Linear(
+            reader.fused([name + ".weight" for name in attn]),
+            reader.fused([name + ".bias" for name in attn]) if shape.qkv_bias else None,
+        ),
+        o=Linear(
+            reader.get(prefix + "self_attn.o_proj.weight"),
+            reader.get(prefix + "self_attn.o_proj.bias") if shape.o_bias else None,
+        ),
         post_attention_norm=reader.get(prefix + "post_attention_layernorm.weight"),
-        gate_up=reader.fused([prefix + "mlp.gate_proj.weight", prefix + "mlp.up_proj.weight"]),
-        down=reader.get(prefix + "mlp.down_proj.weight"),
+        gate_up=Linear(reader.fused([prefix + "mlp.gate_proj.weight", prefix + "mlp.up_proj.weight"])),
+        down=Linear(reader.get(prefix + "mlp.down_proj.weight")),
     )
 
 
@@ -73,7 +78,7 @@ def load_model(model_dir: Path, dtype: str, device: str) -> LlamaModel:
         embed_tokens=embed,
         layers=[_layer_weights(reader, shape, idx) for idx in range(shape.num_layers)],
         final_norm=reader.get("model.norm.weight"),
-        lm_head=embed if tied else reader.get("lm_head.weight"),
+        lm_head=Linear(embed if tied else reader.get("lm_head.weight")),
     )
     inv_freq, attention_scaling = rope_frequencies(config, shape.head_dim)
     rotary = RotaryEmbedding(inv_freq, shape.max_model_len, attention_scaling, torch_dtype)

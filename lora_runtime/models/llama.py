@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import kernels
 from lora_runtime.forward_batch import ForwardBatch
+from lora_runtime.layers.linear import Linear
 from lora_runtime.layers.norm import rms_norm
 from lora_runtime.layers.rotary import RotaryEmbedding, apply_rotary
 from lora_runtime.models.architectures import ModelShape
@@ -20,13 +21,11 @@ from lora_runtime.models.architectures import ModelShape
 @dataclass(slots=True)
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
-    qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size]
-    o: torch.Tensor  # [hidden, q_size]
-    o_bias: torch.Tensor | None  # [hidden]
+    qkv: Linear  # [q_size + 2 * kv_size, hidden], bias for some architectures
+    o: Linear  # [hidden, q_size]
     post_attention_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: Linear  # [2 * intermediate, hidden]
+    down: Linear  # [hidden, intermediate]
 
 
 @dataclass(slots=True)
@@ -34,7 +33,7 @@ class ModelWeights:
     embed_tokens: torch.Tensor  # [vocab, hidden]
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [hidden]
-    lm_head: torch.Tensor  # [vocab, hidden], the embedding itself when tied
+    lm_head: Linear  # [vocab, hidden], the embedding itself when tied
 
 
 @dataclass(slots=True)
@@ -73,7 +72,7 @@ class LlamaModel:
             hidden = hidden + self._mlp(layer_idx, layer, hidden, batch)
         selected = hidden.index_select(0, batch.logits_indices)
         normed = rms_norm(selected, self.weights.final_norm, self.shape.rms_norm_eps)
-        return F.linear(normed, self.weights.lm_head).float()
+        return self.weights.lm_head(normed).float()
 
     def _attention(
         self,
@@ -87,7 +86,7 @@ class LlamaModel:
     ) -> torch.Tensor:
         shape = self.shape
         x = rms_norm(hidden, layer.input_norm, shape.rms_norm_eps)
-        qkv = self._project(layer_idx, "qkv", x, layer.qkv, layer.qkv_bias, batch)
+        qkv = self._project(layer_idx, "qkv", x, layer.qkv, batch)
         q, k, v = qkv.split([shape.q_size, shape.kv_size, shape.kv_size], dim=-1)
         num_tokens = hidden.shape[0]
         q = apply_rotary(q.view(num_tokens, shape.num_heads, shape.head_dim), cos, sin)
@@ -97,24 +96,17 @@ class LlamaModel:
         kernels.store_kv(k, v, key_cache, value_cache, batch.slot_mapping)
         attended = kernels.paged_attention(q, key_cache, value_cache, batch.attention, self.scale)
         attended = attended.reshape(num_tokens, shape.q_size)
-        return self._project(layer_idx, "o", attended, layer.o, layer.o_bias, batch)
+        return self._project(layer_idx, "o", attended, layer.o, batch)
 
     def _mlp(self, layer_idx: int, layer: LayerWeights, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x = rms_norm(hidden, layer.post_attention_norm, self.shape.rms_norm_eps)
-        gate_up = self._project(layer_idx, "gate_up", x, layer.gate_up, None, batch)
+        gate_up = self._project(layer_idx, "gate_up", x, layer.gate_up, batch)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self._project(layer_idx, "down", F.silu(gate) * up, layer.down, None, batch)
+        return self._project(layer_idx, "down", F.silu(gate) * up, layer.down, batch)
 
     @staticmethod
-    def _project(
-        layer_idx: int,
-        projection: str,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        batch: ForwardBatch,
-    ) -> torch.Tensor:
-        y = F.linear(x, weight, bias)
+    def _project(layer_idx: int, projection: str, x: torch.Tensor, linear: Linear, batch: ForwardBatch) -> torch.Tensor:
+        y = linear(x)
         if batch.lora is not None:
             batch.lora.apply(layer_idx, projection, y, x)
         return y

@@ -92,10 +92,10 @@ def apply_temperature(scores: torch.Tensor, temperatures: Sequence[float]) -> to
 
 def apply_top_k(scores: torch.Tensor, top_k: Sequence[int]) -> torch.Tensor:
     """Keep in row i the values >= its `top_k[i]`-th largest (ties may keep more than k)."""
-    vocab_size = scores.shape[1]
-    ks = torch.tensor([min(k, vocab_size) for k in top_k], device=scores.device)  # [num_rows]
-    top_values = torch.topk(scores, int(ks.max())).values  # [num_rows, max_k], descending
-    kth_value = top_values.gather(1, (ks - 1)[:, None])  # [num_rows, 1]
+    ks = [min(k, scores.shape[1]) for k in top_k]
+    top_values = torch.topk(scores, max(ks)).values  # [num_rows, max_k], descending
+    kth_idx = torch.tensor(ks, device=scores.device)[:, None] - 1  # [num_rows, 1]
+    kth_value = top_values.gather(1, kth_idx)  # [num_rows, 1]
     return scores.masked_fill(scores < kth_value, FILTERED)
 
 

@@ -120,16 +120,17 @@ class Sampler:
 
         Does not call `accept`: the engine does, once it keeps the token.
         """
-        scores = apply_logits_chain(logits.float(), [state.row_settings() for state in states])
-        logprobs = torch.log_softmax(scores, dim=-1)  # [num_rows, vocab]
-        token_ids = logprobs.argmax(dim=-1)  # greedy for every row; sampled rows are replaced below
+        settings = [state.row_settings() for state in states]
+        scores = apply_logits_chain(logits.float(), settings)
+        token_ids = scores.argmax(dim=-1)  # greedy for every row; sampled rows are replaced below
         sampled_rows = [i for i, state in enumerate(states) if state.is_sampling]
         if sampled_rows:
             token_ids = token_ids.cpu()
             probs = torch.softmax(scores[sampled_rows], dim=-1).cpu()  # [num_sampled, vocab]
             for row, row_probs in zip(sampled_rows, probs):
                 token_ids[row] = torch.multinomial(row_probs, 1, generator=states[row].generator)[0]
-        chosen = logprobs.gather(1, token_ids.to(logprobs.device)[:, None])[:, 0]  # [num_rows]
+        # log-softmax at the chosen token only: score - logsumexp reads the row once, writes nothing.
+        chosen = scores.gather(1, token_ids.to(scores.device)[:, None])[:, 0] - torch.logsumexp(scores, dim=-1)
         return SampleResult(token_ids=token_ids.tolist(), logprobs=chosen.tolist())
 
 
@@ -137,11 +138,17 @@ def prompt_logprobs(logits: torch.Tensor, token_ids: Sequence[int]) -> list[floa
     """decoder_input_details: token t's logprob is the log-softmax of `logits` [T, vocab] at t-1;
     the first token has none."""
     assert logits.shape[0] == len(token_ids), "one row of logits per prompt token"
-    if len(token_ids) < 2:
-        return [None] * len(token_ids)
-    targets = torch.tensor(token_ids[1:], device=logits.device)[:, None]  # [T-1, 1]
-    values = torch.log_softmax(logits[:-1].float(), dim=-1).gather(1, targets)[:, 0]
-    return [None, *values.tolist()]
+    return [None, *next_token_logprobs(logits[:-1], token_ids[1:])]
+
+
+def next_token_logprobs(logits: torch.Tensor, next_token_ids: Sequence[int]) -> list[float]:
+    """log-softmax of `logits` [N, vocab] row i at `next_token_ids[i]`: the piece of
+    `prompt_logprobs` one prefill chunk contributes (its logits, and the ids one position later)."""
+    assert logits.shape[0] == len(next_token_ids), "one row of logits per next token"
+    if not next_token_ids:
+        return []
+    targets = torch.tensor(list(next_token_ids), device=logits.device)[:, None]  # [N, 1]
+    return torch.log_softmax(logits.float(), dim=-1).gather(1, targets)[:, 0].tolist()
 
 
 def _pick_seed(params: SamplingParams, candidate_index: int) -> int | None:

@@ -93,6 +93,7 @@ class SchemaMatcher:
 def schema_from_response_format(response_format: Mapping[str, Any] | None) -> str | None:
     """LoRAX's `response_format` {type: "json_object" | "json_schema", schema} as a schema string.
 
+    OpenAI's nesting {type: "json_schema", json_schema: {name, schema}} is accepted too;
     `json_object` without a schema constrains the output to any JSON object.
     """
     if response_format is None:
@@ -101,6 +102,9 @@ def schema_from_response_format(response_format: Mapping[str, Any] | None) -> st
     if kind not in ("json_object", "json_schema"):
         raise ValidationError("response_format", "type must be 'json_object' or 'json_schema'")
     schema = response_format.get("schema")
+    nested = response_format.get("json_schema")
+    if schema is None and isinstance(nested, Mapping):
+        schema = nested.get("schema")
     if schema is None:
         if kind == "json_schema":
             raise ValidationError("response_format", "type 'json_schema' needs a schema")

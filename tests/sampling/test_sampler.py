@@ -6,7 +6,7 @@ import torch
 
 from lora_runtime.core import SamplingParams
 from lora_runtime.errors import ValidationError
-from lora_runtime.sampling import Sampler, SamplingState, TokenizerInfo, prompt_logprobs
+from lora_runtime.sampling import Sampler, SamplingState, TokenizerInfo, next_token_logprobs, prompt_logprobs
 from lora_runtime.sampling.processors import apply_logits_chain
 from tests.sampling.generation import generate
 
@@ -99,15 +99,18 @@ def test_seed_matches_transformers_generate(seed: int, hf_model, tokenizer, toke
     with torch.inference_mode():
         expected = hf_model.generate(torch.tensor([prompt_ids]), do_sample=True, max_new_tokens=10, **options)
     state = SamplingState(SamplingParams(do_sample=True, seed=seed, **options), prompt_ids, tokenizer_info)
-    ours = generate(hf_model, prompt_ids, state, {tokenizer.eos_token_id}, max_new_tokens=10)
-    assert ours == expected[0, len(prompt_ids) :].tolist()
+    ours = generate(hf_model, [prompt_ids], [state], {tokenizer.eos_token_id}, max_new_tokens=10)
+    assert ours[0] == expected[0, len(prompt_ids) :].tolist()
 
 
 @torch.inference_mode()
 def test_prompt_logprobs_equal_next_token_logprobs_from_prefixes(hf_model, tokenizer) -> None:
     ids = tokenizer("Paris is the capital of France.")["input_ids"]
-    ours = prompt_logprobs(hf_model(torch.tensor([ids])).logits[0], ids)
+    logits = hf_model(torch.tensor([ids])).logits[0]  # [T, vocab]
+    ours = prompt_logprobs(logits, ids)
     assert ours[0] is None and len(ours) == len(ids)
+    chunks = next_token_logprobs(logits[:3], ids[1:4]) + next_token_logprobs(logits[3:-1], ids[4:])
+    assert chunks == ours[1:]
     for t in range(1, len(ids)):
         prefix_logits = hf_model(torch.tensor([ids[:t]])).logits[0, -1]
         assert ours[t] == pytest.approx(float(torch.log_softmax(prefix_logits, -1)[ids[t]]), abs=1e-4)

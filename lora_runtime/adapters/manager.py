@@ -1,0 +1,180 @@
+"""The engine's view of adapters: resolve a request's adapter to weights (in the background), keep
+them pinned while requests use them, and give each step's adapters a device slot.
+
+Keys: every adapter a request asks for becomes an `AdapterRequest` (reference or merge, plus the
+caller's credential and tenant scope). Its `key` string identifies the weights in the host cache,
+in the scheduler's adapter budget and in the slot pool. The key includes a digest of the caller's
+hub token, so a private adapter cached for one caller is never served to another on the strength
+of the cache alone.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import kernels
+from lora_runtime.adapters.cache import AdapterCache
+from lora_runtime.adapters.merge import MergedAdapters, merge_lora_weights
+from lora_runtime.adapters.peft_format import load_peft_adapter
+from lora_runtime.adapters.refs import AdapterRef, LocalSource, parse_adapter_ref
+from lora_runtime.adapters.slots import AdapterSlotPool
+from lora_runtime.adapters.weights import AdapterLimits, BaseModelShape, LoraWeights
+from lora_runtime.config import AdapterConfig
+from lora_runtime.errors import ValidationError
+
+logger = logging.getLogger(__name__)
+
+# A source turns a validated reference into a local PEFT directory: (ref, api_token, scope) -> Path.
+SourceResolver = Callable[[AdapterRef, str | None, str], Path]
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterRequest:
+    """One request's adapter: a reference or a merge, with the caller's hub token and tenant."""
+
+    adapter: AdapterRef | MergedAdapters
+    api_token: str | None = None
+    scope: str = ""
+
+    @property
+    def key(self) -> str:
+        credential = hashlib.sha256(self.api_token.encode()).hexdigest()[:16] if self.api_token else ""
+        if isinstance(self.adapter, MergedAdapters):
+            described = repr((self.adapter.ids, self.adapter.weights, self.adapter.merge_strategy,
+                              self.adapter.density, self.adapter.majority_sign_method))
+            return f"merge:{self.scope}:{credential}:{described}"
+        return f"{self.adapter.source}:{self.scope}:{credential}:{self.adapter.adapter_id}"
+
+    @property
+    def display_id(self) -> str:
+        if isinstance(self.adapter, MergedAdapters):
+            return "merge(" + ",".join(self.adapter.ids) + ")"
+        return self.adapter.adapter_id
+
+
+class AdapterManager:
+    def __init__(
+        self,
+        config: AdapterConfig,
+        base_shape: BaseModelShape,
+        dtype: torch.dtype,
+        device: str,
+        sources: Mapping[str, SourceResolver] | None = None,
+    ) -> None:
+        self.config = config
+        self.base_shape = base_shape
+        self.limits = AdapterLimits(max_rank=config.max_rank, max_bytes=config.max_adapter_bytes)
+        local = LocalSource()
+        self.sources: dict[str, SourceResolver] = {"local": lambda ref, token, scope: local.resolve(ref, token)}
+        self.sources.update(sources or {})
+        self._requests: dict[str, AdapterRequest] = {}
+        self.cache: AdapterCache[str, LoraWeights] = AdapterCache(
+            loader=self._load, size_of=lambda weights: weights.num_bytes,
+            max_bytes=config.host_cache_bytes, num_workers=config.num_loader_threads,
+        )
+        self.pool = AdapterSlotPool(base_shape, config.num_slots, config.max_rank, dtype, device)
+        self._slot_of: OrderedDict[str, int] = OrderedDict()  # least recently used first
+        self._futures: dict[str, Future[LoraWeights]] = {}
+
+    def parse(self, adapter: object, api_token: str | None = None, scope: str = "") -> AdapterRequest | None:
+        """Accept None, an id string, an `AdapterRef`, a `MergedAdapters` or an `AdapterRequest`."""
+        if adapter is None or adapter == "":
+            return None
+        if isinstance(adapter, AdapterRequest):
+            return adapter
+        if isinstance(adapter, str):
+            adapter = parse_adapter_ref(adapter, allow_local=self.config.allow_local_paths)
+        if not isinstance(adapter, (AdapterRef, MergedAdapters)):
+            raise ValidationError("adapter_id", f"unsupported adapter reference {type(adapter).__name__}")
+        if isinstance(adapter, AdapterRef) and adapter.source not in self.sources:
+            raise ValidationError("adapter_source", f"source {adapter.source!r} is not configured")
+        return AdapterRequest(adapter, api_token, scope)
+
+    def acquire(self, request: AdapterRequest) -> Future[LoraWeights]:
+        """Start (or join) the load of the request's adapter and pin it for one user; the caller
+        owes one `release(key)` once the future has succeeded."""
+        key = request.key
+        self._requests[key] = request
+        future = self.cache.get_or_load(key, pin=True)
+        self._futures[key] = future
+        return future
+
+    def release(self, key: str) -> None:
+        if self.failure(key) is None and key in self.cache:
+            self.cache.unpin(key)
+
+    def is_ready(self, key: str) -> bool:
+        future = self._futures.get(key)
+        return future is not None and future.done() and future.exception() is None
+
+    def failure(self, key: str) -> BaseException | None:
+        future = self._futures.get(key)
+        return future.exception() if future is not None and future.done() else None
+
+    def _load(self, key: str) -> LoraWeights:
+        request = self._requests[key]
+        if isinstance(request.adapter, MergedAdapters):
+            parts = [self._load_one(self.parse(adapter_id, request.api_token, request.scope)) for adapter_id in request.adapter.ids]
+            return merge_lora_weights(parts, request.adapter)
+        return self._load_one(request)
+
+    def _load_one(self, request: AdapterRequest) -> LoraWeights:
+        ref = request.adapter
+        if not isinstance(ref, AdapterRef):
+            raise ValidationError("merged_adapters.ids", "a merge cannot contain another merge")
+        directory = self.sources[ref.source](ref, request.api_token, request.scope)
+        weights = load_peft_adapter(directory, self.base_shape, self.limits)
+        logger.info("loaded adapter %s (rank %d, %d bytes)", ref.adapter_id, weights.max_rank, weights.num_bytes)
+        return weights
+
+    def assign_slots(self, keys: set[str]) -> dict[str, int]:
+        """Give every adapter of the step a device slot, loading weights into free or least recently
+        used slots that this step does not need."""
+        assert len(keys) <= self.pool.num_slots, "the scheduler's adapter budget exceeds the slot pool"
+        for key in keys:
+            if key in self._slot_of:
+                self._slot_of.move_to_end(key)
+                continue
+            slot = self._free_slot(keys)
+            weights = self.cache.get(key)
+            assert weights is not None, f"adapter {key!r} is scheduled but not pinned in the cache"
+            self.pool.load(slot, weights)
+            self._slot_of[key] = slot
+        return {key: self._slot_of[key] for key in keys}
+
+    def _free_slot(self, keys: set[str]) -> int:
+        used = set(self._slot_of.values())
+        for slot in range(self.pool.num_slots):
+            if slot not in used:
+                return slot
+        victim = next(key for key in self._slot_of if key not in keys)
+        return self._slot_of.pop(victim)
+
+    def lora_batch(self, token_slots: torch.Tensor) -> LoraStep:
+        """The step's LoRA applier, for token_slots `[num_tokens]` (-1 = base model)."""
+        meta = kernels.LoraBatchMeta.from_token_slots(token_slots, slot_ranks=self.pool.slot_ranks)
+        return LoraStep(self.pool, meta)
+
+    def close(self) -> None:
+        self.cache.close()
+
+
+class LoraStep:
+    """Implements `forward_batch.LoraBatch` for one step: adds each token's adapter delta."""
+
+    __slots__ = ("pool", "meta")
+
+    def __init__(self, pool: AdapterSlotPool, meta: kernels.LoraBatchMeta) -> None:
+        self.pool = pool
+        self.meta = meta
+
+    def apply(self, layer_idx: int, projection: str, y: torch.Tensor, x: torch.Tensor) -> None:
+        lora_a, lora_b, slice_offsets = self.pool.layer(layer_idx, projection)
+        kernels.add_lora(y, x, lora_a, lora_b, self.meta, slice_offsets=slice_offsets)

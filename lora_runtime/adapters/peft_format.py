@@ -1,0 +1,201 @@
+"""Read a PEFT LoRA directory into validated `LoraWeights`.
+
+A PEFT LoRA directory holds `adapter_config.json` and `adapter_model.safetensors` (preferred) or
+`adapter_model.bin` (read only with `torch.load(weights_only=True)`, which refuses arbitrary
+pickled code). Saved keys look like `base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`.
+
+The factors are used exactly as PEFT's LoRA forward uses them, `y += (x @ A.T) @ B.T * scale`, so
+`fan_in_fan_out` (which only transposes the merged delta for Conv1D-style base weights; PEFT turns it
+off for `nn.Linear` targets) never changes them. Refusals name the field: `AdapterInvalidError` for
+corrupt, missing or unsupported content, `AdapterIncompatibleError` for what does not fit the base
+model or the configured limits."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from lora_runtime.adapters.peft_config import check_supported_config, module_rank_and_alpha
+from lora_runtime.adapters.weights import (
+    MODULE_NAMES,
+    AdapterLimits,
+    BaseModelShape,
+    LoraModuleWeights,
+    LoraWeights,
+    ModuleKey,
+)
+from lora_runtime.errors import AdapterIncompatibleError, AdapterInvalidError
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE = "adapter_config.json"
+SAFETENSORS_FILE = "adapter_model.safetensors"
+BIN_FILE = "adapter_model.bin"
+
+_FACTOR_KEY = re.compile(
+    r"^(?:base_model\.model\.)?"
+    r"(?P<path>(?:[\w.]*\.)?layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp)\.(?P<module>\w+))"
+    r"\.lora_(?P<factor>[AB])\.weight$"
+)
+_PARENT_OF = {name: "self_attn" if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+              for name in MODULE_NAMES}
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def load_peft_adapter(
+    directory: Path, base_shape: BaseModelShape, limits: AdapterLimits
+) -> LoraWeights:
+    """Read, validate and return the adapter stored in `directory`.
+
+    Raises:
+        AdapterInvalidError: missing or corrupt files, unsupported PEFT features (named).
+        AdapterIncompatibleError: shapes that do not fit `base_shape`, rank or size over `limits`.
+    """
+    config = read_adapter_config(directory)
+    check_supported_config(config)
+    factors = _group_factors(_read_tensors(directory))
+    modules = {key: _module_weights(config, path, a, b) for key, (path, a, b) in factors.items()}
+    weights = LoraWeights(modules, config.get("base_model_name_or_path"))
+    check_fits(weights, base_shape, limits)
+    return weights
+
+
+def read_adapter_config(directory: Path) -> dict[str, Any]:
+    config_path = Path(directory) / CONFIG_FILE
+    if not config_path.is_file():
+        raise AdapterInvalidError(f"{CONFIG_FILE} is missing in the adapter directory")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise AdapterInvalidError(f"{CONFIG_FILE} is not valid JSON: {error}") from error
+    if not isinstance(config, dict):
+        raise AdapterInvalidError(f"{CONFIG_FILE} must hold a JSON object")
+    return config
+
+
+def _read_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    safetensors_path, bin_path = Path(directory) / SAFETENSORS_FILE, Path(directory) / BIN_FILE
+    try:
+        if safetensors_path.is_file():
+            tensors = load_file(safetensors_path, device="cpu")
+        elif bin_path.is_file():
+            tensors = torch.load(bin_path, map_location="cpu", weights_only=True)
+        else:
+            raise AdapterInvalidError(f"{SAFETENSORS_FILE} (or {BIN_FILE}) is missing")
+    except (SafetensorError, pickle.UnpicklingError, RuntimeError, EOFError, OSError) as error:
+        raise AdapterInvalidError(f"adapter weights file is corrupt: {error}") from error
+    if not isinstance(tensors, dict) or not all(
+        isinstance(key, str) and isinstance(value, torch.Tensor) for key, value in tensors.items()
+    ):
+        raise AdapterInvalidError(f"{BIN_FILE} must hold a dictionary of named tensors")
+    return tensors
+
+
+def _group_factors(
+    tensors: dict[str, torch.Tensor],
+) -> dict[ModuleKey, tuple[str, torch.Tensor, torch.Tensor]]:
+    """Pair each module's A and B tensors: (layer, module) -> (module path, A, B), sorted."""
+    found: dict[ModuleKey, dict[str, Any]] = {}
+    for key, tensor in tensors.items():
+        match = _FACTOR_KEY.match(key)
+        if match is None or match["module"] not in MODULE_NAMES:
+            raise AdapterInvalidError(_describe_unsupported_key(key))
+        if _PARENT_OF[match["module"]] != match["parent"]:
+            raise AdapterInvalidError(f"weights: unexpected tensor {key!r}")
+        _check_tensor(key, tensor)
+        entry = found.setdefault((int(match["layer"]), match["module"]), {"path": match["path"]})
+        entry[match["factor"]] = tensor
+    if not found:
+        raise AdapterInvalidError("weights: the adapter holds no LoRA tensors")
+    grouped = {}
+    for key in sorted(found, key=lambda k: (k[0], MODULE_NAMES.index(k[1]))):
+        entry = found[key]
+        if "A" not in entry or "B" not in entry:
+            raise AdapterInvalidError(f"weights: {entry['path']} lacks its lora_A or lora_B tensor")
+        grouped[key] = (entry["path"], entry["A"], entry["B"])
+    return grouped
+
+
+def _describe_unsupported_key(key: str) -> str:
+    if "lora_magnitude_vector" in key:
+        return f"use_dora: DoRA adapters are not supported (tensor {key!r})"
+    if "lora_embedding" in key or "embed_tokens" in key or "lm_head" in key:
+        return f"target_modules: embedding and lm_head LoRA are not supported (tensor {key!r})"
+    if "modules_to_save" in key:
+        return f"modules_to_save: fully trained modules are not supported (tensor {key!r})"
+    return (
+        f"weights: unsupported tensor {key!r}; only LoRA factors of "
+        f"{', '.join(MODULE_NAMES)} are supported"
+    )
+
+
+def _check_tensor(key: str, tensor: torch.Tensor) -> None:
+    if tensor.dim() != 2 or tensor.dtype not in _FLOAT_DTYPES:
+        raise AdapterInvalidError(
+            f"weights: {key!r} must be a 2-D float tensor, got {tuple(tensor.shape)} {tensor.dtype}"
+        )
+    if not torch.isfinite(tensor).all():
+        raise AdapterInvalidError(f"weights: {key!r} holds NaN or infinite values")
+
+
+def _module_weights(
+    config: dict[str, Any], path: str, lora_a: torch.Tensor, lora_b: torch.Tensor
+) -> LoraModuleWeights:
+    rank = lora_a.shape[0]
+    if lora_b.shape[1] != rank:
+        raise AdapterInvalidError(
+            f"weights: {path} has lora_A rank {rank} but lora_B rank {lora_b.shape[1]}"
+        )
+    config_rank, alpha = module_rank_and_alpha(config, path)
+    if config_rank != rank:
+        raise AdapterInvalidError(
+            f"r: {path} has rank {rank} in the weights but {config_rank} in {CONFIG_FILE}"
+        )
+    denominator = math.sqrt(rank) if config.get("use_rslora") else rank
+    return LoraModuleWeights(lora_a, lora_b, alpha / denominator)
+
+
+def check_fits(weights: LoraWeights, base_shape: BaseModelShape, limits: AdapterLimits) -> None:
+    """Refuse weights that do not fit the base model or exceed the limits; warn (only) when the
+    adapter names another base model whose shapes nevertheless fit."""
+    for (layer_idx, module), factors in weights.modules.items():
+        if layer_idx >= base_shape.num_layers:
+            raise AdapterIncompatibleError(
+                f"layers_to_transform: layer {layer_idx} does not exist in {base_shape.model_name} "
+                f"({base_shape.num_layers} layers)"
+            )
+        in_features, out_features = base_shape.module_shapes[module]
+        if factors.lora_a.shape[1] != in_features or factors.lora_b.shape[0] != out_features:
+            raise AdapterIncompatibleError(
+                f"target_modules: layer {layer_idx} {module} expects lora_A [r, {in_features}] and "
+                f"lora_B [{out_features}, r], got {tuple(factors.lora_a.shape)} and "
+                f"{tuple(factors.lora_b.shape)}: the adapter was made for another base model"
+            )
+    if weights.max_rank > limits.max_rank:
+        raise AdapterIncompatibleError(
+            f"r: rank {weights.max_rank} exceeds the maximum adapter rank {limits.max_rank}"
+        )
+    if weights.num_bytes > limits.max_bytes:
+        raise AdapterIncompatibleError(
+            f"adapter size {weights.num_bytes} bytes exceeds the limit of {limits.max_bytes} bytes"
+        )
+    _warn_on_other_base_model(weights.base_model_name, base_shape.model_name)
+
+
+def _warn_on_other_base_model(adapter_base: str | None, model_name: str) -> None:
+    def short(name: str) -> str:
+        return name.rstrip("/").rsplit("/", 1)[-1].lower()
+
+    if adapter_base and short(adapter_base) != short(model_name):
+        logger.warning(
+            "adapter was made for base model %r but is applied to %r (shapes fit)",
+            adapter_base, model_name,
+        )

@@ -1,0 +1,104 @@
+"""LoRA weights in memory, the base model shape they must fit, and the limits they must respect.
+
+`LoraWeights` is what every adapter becomes once loaded (or merged): per (layer, module) the two
+factors and the scale, with HF module names. Everything downstream (merge, slots) reads this."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+# The order modules appear in a Llama decoder layer (and in PEFT's `named_modules` walk).
+MODULE_NAMES = ATTENTION_MODULES + MLP_MODULES
+
+ModuleKey = tuple[int, str]  # (layer_idx, module name)
+
+
+@dataclass(frozen=True, slots=True)
+class LoraModuleWeights:
+    """One adapted linear layer: delta_W = lora_b @ lora_a * scale."""
+
+    lora_a: torch.Tensor  # [rank, in_features]
+    lora_b: torch.Tensor  # [out_features, rank]
+    scale: float
+
+    @property
+    def rank(self) -> int:
+        return self.lora_a.shape[0]
+
+    def delta_weight(self) -> torch.Tensor:
+        """The dense update of the base weight, in fp32: [out_features, in_features]."""
+        return (self.lora_b.float() @ self.lora_a.float()) * self.scale
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class LoraWeights:
+    """A whole adapter: the adapted modules, keyed by (layer_idx, module name), in layer then
+    module order. `base_model_name` is what the adapter says it was trained on (may be None)."""
+
+    modules: Mapping[ModuleKey, LoraModuleWeights]
+    base_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        assert self.modules, "an adapter adapts at least one module"
+
+    @property
+    def max_rank(self) -> int:
+        return max(module.rank for module in self.modules.values())
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(
+            tensor.numel() * tensor.element_size()
+            for module in self.modules.values()
+            for tensor in (module.lora_a, module.lora_b)
+        )
+
+    @property
+    def layer_indices(self) -> frozenset[int]:
+        return frozenset(layer_idx for layer_idx, _ in self.modules)
+
+
+@dataclass(frozen=True, slots=True)
+class BaseModelShape:
+    """What an adapter must fit: the base model's name, depth and per-module linear shapes
+    `module name -> (in_features, out_features)`."""
+
+    model_name: str
+    num_layers: int
+    module_shapes: Mapping[str, tuple[int, int]]
+
+    @classmethod
+    def from_hf_config(cls, model_name: str, config: Mapping[str, Any]) -> BaseModelShape:
+        """Build from a Llama-family HF `config.json` dictionary."""
+        hidden = config["hidden_size"]
+        num_heads = config["num_attention_heads"]
+        num_kv_heads = config.get("num_key_value_heads") or num_heads
+        head_dim = config.get("head_dim") or hidden // num_heads
+        intermediate = config["intermediate_size"]
+        q_out, kv_out = num_heads * head_dim, num_kv_heads * head_dim
+        shapes = {
+            "q_proj": (hidden, q_out),
+            "k_proj": (hidden, kv_out),
+            "v_proj": (hidden, kv_out),
+            "o_proj": (q_out, hidden),
+            "gate_proj": (hidden, intermediate),
+            "up_proj": (hidden, intermediate),
+            "down_proj": (intermediate, hidden),
+        }
+        return cls(model_name, config["num_hidden_layers"], shapes)
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterLimits:
+    """Configured ceilings: adapters above either are refused as incompatible."""
+
+    max_rank: int = 64
+    max_bytes: int = 512 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        assert self.max_rank > 0 and self.max_bytes > 0

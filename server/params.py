@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Any
 
 from lora_runtime.core import SamplingParams
@@ -99,3 +100,22 @@ def adapter_reference(parameters: GenerateParameters | None) -> None:
     if parameters.adapter_id:
         raise ValidationError("adapter_id", "adapters are not supported by this engine yet")
     return None
+
+
+_PBASE_ID = re.compile(r"^[^/]+/\d+(@\d+)?$")
+
+
+def adapter_headers(parameters: GenerateParameters | None) -> dict[str, str]:
+    """`x-adapter-id` and `x-adapter-source` for the adapter a request names (API.md 3 and 5)."""
+    if parameters is not None and parameters.merged_adapters is not None:
+        return {"x-adapter-id": ",".join(parameters.merged_adapters.ids), "x-adapter-source": "merged"}
+    if parameters is None or not parameters.adapter_id:
+        return {"x-adapter-id": "", "x-adapter-source": "base"}
+    return {"x-adapter-id": parameters.adapter_id,
+            "x-adapter-source": parameters.adapter_source or _inferred_source(parameters.adapter_id)}
+
+
+def _inferred_source(adapter_id: str) -> str:
+    if adapter_id.startswith("s3://"):
+        return "s3"
+    return "pbase" if _PBASE_ID.match(adapter_id) else "hub"

@@ -17,13 +17,25 @@ from server.responses import SSE_KEEPALIVE, sse_event, stream_chunk
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-async def with_keepalive(stream, interval_s: float) -> AsyncIterator[RequestOutput | None]:
-    """The stream's outputs, with None whenever `interval_s` passes without one."""
-    iterator = stream.__aiter__()
-    pending: asyncio.Future | None = None
+async def first_output(stream, wait_s: float) -> asyncio.Future:
+    """Start fetching the stream's first output and wait up to `wait_s` for it, so that failures
+    known by then (a bad adapter, say) are raised before the response starts. Returns the pending
+    fetch, to be handed to `sse_events`."""
+    pending = asyncio.ensure_future(stream.__anext__())
+    done, _ = await asyncio.wait({pending}, timeout=wait_s)
+    if done and isinstance(pending.exception(), EngineError):
+        raise pending.exception()
+    return pending
+
+
+async def with_keepalive(stream, first: asyncio.Future,
+                         interval_s: float) -> AsyncIterator[RequestOutput | None]:
+    """The stream's outputs from the pending fetch `first` on, with None whenever `interval_s`
+    passes without one."""
+    pending: asyncio.Future | None = first
     try:
         while True:
-            pending = pending or asyncio.ensure_future(iterator.__anext__())
+            pending = pending or asyncio.ensure_future(stream.__anext__())
             done, _ = await asyncio.wait({pending}, timeout=interval_s)
             if not done:
                 yield None
@@ -37,11 +49,11 @@ async def with_keepalive(stream, interval_s: float) -> AsyncIterator[RequestOutp
             pending.cancel()
 
 
-async def sse_events(stream, inputs: str, params: SamplingParams,
+async def sse_events(stream, first: asyncio.Future, inputs: str, params: SamplingParams,
                      keepalive_s: float) -> AsyncIterator[bytes]:
     num_sent = 0
     try:
-        async for output in with_keepalive(stream, keepalive_s):
+        async for output in with_keepalive(stream, first, keepalive_s):
             if output is None:
                 yield SSE_KEEPALIVE
                 continue

@@ -7,23 +7,24 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from lora_runtime.core import SamplingParams
-from lora_runtime.errors import EngineError
+from lora_runtime.errors import EngineError, ValidationError
 from server.auth import authorize_tenant
 from server.body import read_model
 from server.bridge import final_output
 from server.deployments import resolve_deployment
-from server.errors import ApiError, from_engine_error, validation
-from server.params import adapter_reference, to_sampling_params
+from server.errors import ApiError, from_engine_error
+from server.params import adapter_headers, adapter_reference, to_sampling_params
 from server.protocol import CompatRequest, GenerateRequest
 from server.responses import Timing, generate_headers, generate_response
 from server.routes.openapi import COMPAT_DOC, GENERATE_DOC, STREAM_DOC
 from server.state import ServerState, server_state
-from server.streaming import CleanupStreamingResponse, sse_events
+from server.streaming import CleanupStreamingResponse, first_output, sse_events
 
 PREFIX = "/{tenant_id}/deployments/v2/llms/{deployment_name}"
 router = APIRouter(tags=["inference"])
@@ -63,54 +64,64 @@ async def _handle(request: Request, tenant_id: str, deployment_name: str, mode: 
 
 async def _serve(request: Request, state: ServerState, tenant_id: str, deployment_name: str,
                  mode: Mode) -> Response:
-    timing_received = time.monotonic()
+    received = time.monotonic()
     tenant = authorize_tenant(request, state.database, tenant_id)
     deployment = resolve_deployment(state.database, tenant, deployment_name)
-    model = CompatRequest if mode is Mode.COMPAT else GenerateRequest
-    body = await read_model(request, model, state.config.max_body_bytes)
+    body = await read_model(request, CompatRequest if mode is Mode.COMPAT else GenerateRequest,
+                            state.config.max_body_bytes)
     is_stream = mode is Mode.STREAM or (mode is Mode.COMPAT and bool(body.stream))
-    if not body.inputs:
-        raise validation("inputs: must not be empty")
+    identity = {"x-model-id": deployment.base_model, **adapter_headers(body.parameters)}
     try:
-        params = to_sampling_params(body.parameters, state.config, is_stream)
-        adapter = adapter_reference(body.parameters)
-        identity = {"x-model-id": deployment.base_model, "x-adapter-id": "", "x-adapter-source": "base"}
+        params, adapter = _engine_arguments(body, state, is_stream)
         release = state.admission.acquire()
+        is_owned_by_response = False
         try:
             stream = await state.async_engine.add_request(body.inputs, params, adapter=adapter)
-        except BaseException:
-            release()
-            raise
+            timing = Timing(received, time.monotonic())
+            if not is_stream:
+                return await _complete(request, stream, body.inputs, params, state, timing,
+                                       identity, as_array=mode is Mode.COMPAT)
+            response = await _stream_response(stream, body.inputs, params, state, identity, release)
+            is_owned_by_response = True
+            return response
+        finally:
+            if not is_owned_by_response:
+                release()
     except EngineError as error:
         raise from_engine_error(error, state.config.retry_after_s) from None
-    timing = Timing(timing_received, time.monotonic())
-    if is_stream:
-        return _stream_response(stream, body.inputs, params, state, identity, release)
-    try:
-        return await _complete(request, stream, body.inputs, params, state, timing, identity,
-                               as_array=mode is Mode.COMPAT)
-    finally:
-        release()
 
 
-def _stream_response(stream, inputs: str, params: SamplingParams, state: ServerState,
-                     identity: dict[str, str], release) -> Response:
+def _engine_arguments(body: GenerateRequest, state: ServerState,
+                      is_stream: bool) -> tuple[SamplingParams, object]:
+    """The engine's parameters and adapter argument; raises EngineError (422) on refusal."""
+    if not body.inputs:
+        raise ValidationError("inputs", "must not be empty")
+    params = to_sampling_params(body.parameters, state.config, is_stream)
+    return params, adapter_reference(body.parameters)
+
+
+async def _stream_response(stream, inputs: str, params: SamplingParams, state: ServerState,
+                           identity: dict[str, str], release: Callable[[], None]) -> Response:
+    """SSE once the first output is in (or `keepalive_s` passed), so that early failures still
+    get their own status; from then on the response owns the slot and the stream."""
     async def on_close() -> None:
         try:
             await stream.abort()
         finally:
             release()
 
-    events = sse_events(stream, inputs, params, state.config.keepalive_s)
+    try:
+        first = await first_output(stream, state.config.keepalive_s)
+    except BaseException:
+        await on_close()
+        raise
+    events = sse_events(stream, first, inputs, params, state.config.keepalive_s)
     return CleanupStreamingResponse(events, on_close, identity)
 
 
 async def _complete(request: Request, stream, inputs: str, params: SamplingParams, state: ServerState,
                     timing: Timing, identity: dict[str, str], as_array: bool) -> Response:
-    try:
-        output = await final_output(stream, request)
-    except EngineError as error:
-        raise from_engine_error(error, state.config.retry_after_s) from None
+    output = await final_output(stream, request)
     if output is None:
         state.metrics.disconnects.inc()
         # Nobody reads this answer; 499 (client closed request) keeps the logs and metrics honest.

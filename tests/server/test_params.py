@@ -8,7 +8,7 @@ import pytest
 from lora_runtime.core import SamplingParams
 from lora_runtime.errors import ValidationError
 from server.config import ServerConfig
-from server.params import adapter_reference, to_sampling_params
+from server.params import adapter_headers, adapter_reference, to_sampling_params
 from server.protocol import GenerateParameters
 
 CONFIG = ServerConfig()
@@ -87,3 +87,18 @@ def test_adapter_fields_are_refused_until_the_engine_takes_adapters() -> None:
         with pytest.raises(ValidationError) as refused:
             adapter_reference(GenerateParameters.model_validate(body))
         assert refused.value.field == field
+
+
+@pytest.mark.parametrize(("body", "adapter_id", "source"), [
+    ({}, "", "base"),
+    ({"adapter_id": ""}, "", "base"),
+    ({"adapter_id": "support/3"}, "support/3", "pbase"),
+    ({"adapter_id": "support/3@12"}, "support/3@12", "pbase"),
+    ({"adapter_id": "org/name"}, "org/name", "hub"),
+    ({"adapter_id": "s3://bucket/prefix"}, "s3://bucket/prefix", "s3"),
+    ({"adapter_id": "bucket/prefix", "adapter_source": "s3"}, "bucket/prefix", "s3"),
+    ({"merged_adapters": {"ids": ["a/1", "b/2"]}}, "a/1,b/2", "merged"),
+])
+def test_adapter_headers_name_the_adapter_and_its_source(body: dict, adapter_id: str, source: str) -> None:
+    headers = adapter_headers(GenerateParameters.model_validate(body))
+    assert headers == {"x-adapter-id": adapter_id, "x-adapter-source": source}

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
+import httpx
 import lorax
 import lorax.errors
 import pytest
@@ -10,6 +12,7 @@ import text_generation
 import text_generation.errors
 
 from server import client as ours
+from tests.server.test_http_load import LONG, engine_is_idle, wait_until
 
 PROMPT = "The capital of France is"
 
@@ -49,7 +52,24 @@ def test_official_clients_raise_their_typed_errors(live, module) -> None:
         missing.generate(PROMPT, max_new_tokens=2)
 
 
-def test_lorax_async_client_with_response_format_nulls(live, reference) -> None:
+def test_official_clients_raise_overloaded_when_the_server_is_full(live) -> None:
+    readers = []  # kept referenced: a collected line iterator closes its connection
+    with contextlib.ExitStack() as held, httpx.Client(timeout=60) as http:
+        for _ in range(live.state.config.max_in_flight):
+            response = held.enter_context(http.stream("POST", live.prefix() + "/generate_stream",
+                                                      json=LONG, headers=live.headers()))
+            readers.append(response.iter_lines())
+            assert next(readers[-1]).startswith("data:")
+        assert live.state.admission.num_in_flight == live.state.config.max_in_flight
+        for module in (lorax, text_generation):
+            with pytest.raises(module.errors.OverloadedError):
+                module.Client(live.prefix(), headers=live.headers()).generate(PROMPT, max_new_tokens=2)
+        with pytest.raises(ours.OverloadedError):
+            ours.Client(live.base_url, live.tokens["demo"], "demo", live.model_name).generate(PROMPT)
+    wait_until(lambda: engine_is_idle(live), 10)
+
+
+def test_lorax_async_client(live, reference) -> None:
     async def run() -> str:
         client = lorax.AsyncClient(live.prefix(), headers=live.headers(), timeout=60)
         answer = await client.generate(PROMPT, max_new_tokens=6, details=True)

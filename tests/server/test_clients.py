@@ -14,6 +14,9 @@ import text_generation.errors
 from server import client as ours
 from tests.server.test_http_load import LONG, engine_is_idle, wait_until
 
+# One worker per module under xdist: its live server is started once.
+pytestmark = pytest.mark.xdist_group("test_clients")
+
 PROMPT = "The capital of France is"
 
 

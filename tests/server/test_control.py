@@ -1,9 +1,14 @@
 """The control-plane routes the predibase SDK calls: the current user and a deployment's record."""
 from __future__ import annotations
 
+import pytest
+
 import httpx
 
 from tests.server.test_http_errors import assert_error
+
+# One worker per module under xdist: its live server is started once.
+pytestmark = pytest.mark.xdist_group("test_control")
 
 
 def test_current_user_is_the_tokens_tenant(live) -> None:

@@ -4,6 +4,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
+# One worker per module under xdist: its live server is started once.
+pytestmark = pytest.mark.xdist_group("test_http_errors")
+
 BODY = {"inputs": "Hello", "parameters": {"max_new_tokens": 2}}
 
 

@@ -7,6 +7,9 @@ import math
 import httpx
 import pytest
 
+# One worker per module under xdist: its live server is started once.
+pytestmark = pytest.mark.xdist_group("test_http_generate")
+
 PROMPT = "The capital of France is"
 GREEDY = {"max_new_tokens": 8, "details": True}
 

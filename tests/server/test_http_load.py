@@ -2,6 +2,8 @@
 free the engine's blocks at once, and metrics show it."""
 from __future__ import annotations
 
+import pytest
+
 import asyncio
 import socket
 import time
@@ -9,6 +11,9 @@ import time
 import httpx
 
 from tests.server.test_http_errors import assert_error
+
+# One worker per module under xdist: its live server is started once.
+pytestmark = pytest.mark.xdist_group("test_http_load")
 
 
 def wait_until(predicate, timeout_s: float) -> float:

@@ -2,6 +2,8 @@
 shutting_down, in-flight ones finish within the deadline, past it they are cancelled and freed)."""
 from __future__ import annotations
 
+import pytest
+
 import json
 import threading
 import time
@@ -11,6 +13,9 @@ import httpx
 from tests.server.live import start_live_server
 from tests.server.test_http_errors import assert_error
 from tests.server.test_http_load import engine_is_running, wait_until
+
+# One worker per module under xdist: its live server is started once.
+pytestmark = pytest.mark.xdist_group("test_lifecycle")
 
 
 def stream_in_background(live, max_new_tokens: int) -> tuple[threading.Thread, list[dict]]:

@@ -14,6 +14,9 @@ from schemathesis.specs.openapi.checks import (content_type_conformance, respons
 
 from tests.server.live import start_live_server
 
+# One worker per module under xdist: its live server is started once.
+pytestmark = pytest.mark.xdist_group("test_openapi")
+
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_schema_conformance]
 EXAMPLES_PER_OPERATION = 6

@@ -27,4 +27,5 @@ serve: model
 	$(PY) -m server
 
 test: model
+	bash scripts/ensure_postgres.sh
 	$(PY) -m pytest -q -n 2 --dist loadgroup

@@ -83,8 +83,10 @@ def store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    backend: str | None = None,
 ) -> None:
-    """k_cache[slot // block_size, slot % block_size] = k[t] for slot = slot_mapping[t] >= 0 (same for v)."""
+    """k_cache[slot // block_size, slot % block_size] = k[t] for slot = slot_mapping[t] >= 0 (same for v).
+    `backend` is accepted for signature parity and ignored."""
     block_size = k_cache.shape[1]
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot >= 0:
@@ -98,10 +100,11 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: PagedAttentionMeta,
     scale: float,
+    backend: str | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens (the last q_len of its context) over its cached
     context. q [T, num_heads, D], caches [num_blocks, block_size, num_kv_heads, D] -> [T, num_heads, D].
-    Query head h reads KV head h // (num_heads // num_kv_heads)."""
+    Query head h reads KV head h // (num_heads // num_kv_heads). `backend` is ignored."""
     out = torch.empty_like(q)
     starts = meta.query_start_loc.tolist()
     for b, seq_len in enumerate(meta.seq_lens.tolist()):

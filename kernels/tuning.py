@@ -12,6 +12,10 @@ import torch
 # adapters: 2.8 vs 3.5 ms); with bf16 weights the gathered bf16 form won from ~16 segments of
 # <= 4 tokens (64 distinct: 1.8 vs 14.7 ms native bf16 loop or ~3 ms loop with fp32 casts).
 GATHERED_LORA_MIN_SEGMENTS = 16
+# CPU add_lora with 16-bit inputs: a segment of at least this many tokens runs in its own dtype,
+# shorter ones in fp32. One segment, rank 16, 576 -> 1536, bf16 in place vs cast to fp32 and back:
+# 4 tokens 122 vs 69 us, 32 tokens 154 vs 148 us, 64 tokens 220 vs 275 us, 256 tokens 444 vs 2596 us.
+NATIVE_16BIT_MIN_SEGMENT_TOKENS = 32
 GATHERED_LORA_MAX_TOKENS_PER_SEGMENT = 4.0
 
 

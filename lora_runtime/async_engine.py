@@ -94,24 +94,36 @@ class AsyncEngine:
         self._thread.start()
 
     async def add_request(
-        self, prompt: str | list[int], params: SamplingParams, adapter: object = None, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        adapter: object = None,
+        request_id: str | None = None,
+        api_token: str | None = None,
     ) -> RequestStream:
-        """Validate and queue; raises EngineError subclasses before anything is streamed."""
-        future: concurrent.futures.Future[str] = concurrent.futures.Future()
+        """Validate, queue, and wait until the request's adapter is loaded: validation and adapter
+        failures raise EngineError subclasses here, before anything is streamed."""
+        future: concurrent.futures.Future[tuple[str, concurrent.futures.Future | None]] = concurrent.futures.Future()
 
         def add() -> None:
             try:
-                new_id = self.engine.add_request(prompt, params, request_id=request_id)
+                new_id = self.engine.add_request(prompt, params, adapter, request_id=request_id, api_token=api_token)
             except Exception as error:  # handed to the caller, who maps it to a status
                 future.set_exception(error)
                 return
-            stream = RequestStream(new_id, self)
-            self._streams[new_id] = stream
-            future.set_result(new_id)
+            self._streams[new_id] = RequestStream(new_id, self)
+            future.set_result((new_id, self.engine.adapter_load(new_id)))
 
         self._commands.put(add)
-        new_id = await asyncio.wrap_future(future)
-        return self._streams[new_id]
+        new_id, adapter_load = await asyncio.wrap_future(future)
+        stream = self._streams[new_id]
+        if adapter_load is not None:
+            try:
+                await asyncio.wrap_future(adapter_load)
+            except BaseException:
+                await stream.abort()
+                raise
+        return stream
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; safe from any thread, idempotent."""
@@ -178,13 +190,15 @@ class AsyncEngine:
             self._publish(output)
 
     def _publish(self, output: RequestOutput) -> None:
-        self._num_generated_tokens += 1
         stream = self._streams.get(output.request_id)
         if output.finished:
             self._num_finished += 1
+            self._num_generated_tokens += len(output.token_ids)
             self._streams.pop(output.request_id, None)
         if stream is not None and self._loop is not None:
-            self._loop.call_soon_threadsafe(stream._push, output)
+            # A request that failed inside the engine (its adapter did not load) raises in the stream.
+            item = output.error if output.error is not None else output
+            self._loop.call_soon_threadsafe(stream._push, item)
 
     def _fail_running(self, error: Exception) -> None:
         wrapped = RequestAbortedError(f"the engine failed while generating: {error}")

@@ -7,6 +7,7 @@ its text and stop criteria -> finished requests leave the scheduler and free the
 from __future__ import annotations
 
 import itertools
+from concurrent.futures import Future
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 
 from lora_runtime.adapters.manager import AdapterManager, SourceResolver
 from lora_runtime.adapters.weights import BaseModelShape
+from lora_runtime.best_of import BestOfGroup
 from lora_runtime.config import EngineConfig
 from lora_runtime.core import Request, RequestOutput, RequestStatus, SamplingParams
 from lora_runtime.embedded import EMBEDDED_MODEL_NAME, ensure_embedded_model
@@ -47,12 +49,16 @@ class Engine:
         num_blocks = _num_kv_blocks(config, model)
         self.kv_cache = KVCacheManager(num_blocks, config.kv_cache.block_size_tokens)
         base_shape = BaseModelShape(model_name, model.shape.num_layers, model.shape.module_dims())
-        self.adapters = AdapterManager(config.adapters, base_shape, model.dtype, config.device, adapter_sources)
+        # On CPU the LoRA segment matmuls are faster in fp32 whatever the model dtype (measured in
+        # kernels/tuning.py); elsewhere the adapters share the model's dtype.
+        lora_dtype = torch.float32 if config.device == "cpu" else model.dtype
+        self.adapters = AdapterManager(config.adapters, base_shape, lora_dtype, config.device, adapter_sources)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, is_adapter_ready=self.adapters.is_ready)
         self.runner = ModelRunner(model, self.kv_cache, num_blocks, config.device)
         self.sampler = Sampler()
         self.tokenizer_info = TokenizerInfo(tokenizer, model.shape.vocab_size, _eos_token_ids(tokenizer, model_name))
         self._states: dict[str, RequestState] = {}
+        self._group_of: dict[str, BestOfGroup] = {}  # candidate request id -> its best_of group
         self._request_counter = itertools.count()
 
     @classmethod
@@ -99,17 +105,29 @@ class Engine:
         request = Request(request_id=request_id, prompt_token_ids=token_ids, params=params)
         state = RequestState(request, prompt_text, self.tokenizer_info)
         if adapter_request is not None:
-            self.adapters.acquire(adapter_request)
+            state.adapter_load = self.adapters.acquire(adapter_request)
             request.adapter_key = adapter_request.key
         self._states[request_id] = state
+        if params.best_of > 1:
+            self._group_of[request_id] = BestOfGroup(state)
         self.scheduler.add_request(request)
         return request_id
 
+    def adapter_load(self, request_id: str) -> Future | None:
+        """The load of the request's adapter (None without one): done when it is ready or failed."""
+        state = self._states.get(request_id)
+        return state.adapter_load if state is not None else None
+
     def abort(self, request_id: str) -> None:
-        """Cancel a request wherever it is; its KV blocks are freed at once. Unknown ids are ignored."""
-        state = self._states.pop(request_id, None)
-        if state is not None:
-            self._finish(state, RequestStatus.ABORTED)
+        """Cancel a request (all its best_of candidates) wherever it is; its KV blocks are freed at
+        once. Unknown ids are ignored."""
+        group = self._group_of.get(request_id)
+        candidates = [c.request_id for c in group.candidates] if group is not None else [request_id]
+        for candidate_id in candidates:
+            self._group_of.pop(candidate_id, None)
+            state = self._states.get(candidate_id)
+            if state is not None:
+                self._finish(state, RequestStatus.ABORTED)
 
     def _finish(self, state: RequestState, status: RequestStatus = RequestStatus.FINISHED) -> None:
         """Take the request out of the scheduler (its blocks return at once) and unpin its adapter."""
@@ -173,12 +191,64 @@ class Engine:
             logits = logits[list(rows.sample_rows)]
         result = self.sampler.sample(logits, [state.sampling for state in states])
         outputs = []
-        for state, token_id, logprob in zip(states, result.token_ids, result.logprobs):
-            state.append_token(token_id, logprob)
-            if state.is_finished:
-                self._finish(state)
-            outputs.append(state.snapshot())
+        for row, (state, token_id, logprob) in enumerate(zip(states, result.token_ids, result.logprobs)):
+            outputs.extend(self._append_token(state, token_id, logprob))
+            group = self._group_of.get(state.request_id)
+            if group is not None and group.needs_fork:
+                outputs.extend(self._fork_candidates(group, logits[row]))
         return outputs
+
+    def _append_token(self, state: RequestState, token_id: int, logprob: float) -> list[RequestOutput]:
+        """Add the token; finish the request if it stopped; return what callers should see now."""
+        state.append_token(token_id, logprob)
+        if state.is_finished:
+            self._finish(state)
+        group = self._group_of.get(state.request_id)
+        if group is None:
+            return [state.snapshot()]
+        if state.is_finished and group.mark_finished(state):
+            for candidate in group.candidates:
+                self._group_of.pop(candidate.request_id, None)
+            return [group.result()]
+        return []  # best_of results are reported whole, once every candidate has finished
+
+    def _fork_candidates(self, group: BestOfGroup, logits_row: torch.Tensor) -> list[RequestOutput]:
+        """Start candidates 1..n-1 from the first one's computed prompt and its first-token logits."""
+        first = group.candidates[0]
+        children = []
+        for index in range(1, group.num_candidates):
+            request = Request(group.candidate_id(index), first.request.prompt_token_ids, first.request.params,
+                              adapter_key=first.request.adapter_key)
+            child = RequestState(request, first.prompt, self.tokenizer_info, candidate_index=index)
+            self._states[request.request_id] = child
+            self._group_of[request.request_id] = group
+            group.add(child)
+            if request.adapter_key:
+                self.adapters.pin(request.adapter_key)
+            children.append(child)
+        logits = logits_row.unsqueeze(0).expand(len(children), -1)
+        result = self.sampler.sample(logits, [child.sampling for child in children])
+        outputs = []
+        for child, token_id, logprob in zip(children, result.token_ids, result.logprobs):
+            self._share_prompt_cache(first.request, child.request)
+            outputs.extend(self._append_token(child, token_id, logprob))
+        return outputs
+
+    def _share_prompt_cache(self, parent: Request, child: Request) -> None:
+        """Give the child the parent's prompt K/V: full blocks shared, the partial last one copied.
+        Without a free block for the copy, the child recomputes its prompt instead."""
+        num_prompt = parent.num_prompt_tokens
+        self.kv_cache.fork(parent.request_id, child.request_id, num_prompt)
+        if self.kv_cache.allocate_slots(child.request_id, num_prompt):
+            partial_idx = num_prompt // self.kv_cache.block_size_tokens
+            if num_prompt % self.kv_cache.block_size_tokens:
+                parent_block = self.kv_cache.block_table(parent.request_id)[partial_idx]
+                self.runner.copy_block(parent_block, self.kv_cache.block_table(child.request_id)[partial_idx])
+            child.num_computed_tokens = num_prompt
+            self.scheduler.add_running(child)
+        else:
+            self.kv_cache.free(child.request_id)
+            self.scheduler.add_request(child)
 
     def generate(
         self,

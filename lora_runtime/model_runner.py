@@ -85,6 +85,11 @@ class ModelRunner:
         )
         return batch, LogitsRows(tuple(sample_requests), tuple(sample_rows), tuple(prompt_rows))
 
+    def copy_block(self, source_block: int, target_block: int) -> None:
+        """Copy one KV block's contents, in every layer (best_of forks copy a partial block)."""
+        for cache in (*self.cache_tensors.key, *self.cache_tensors.value):
+            cache[target_block].copy_(cache[source_block])
+
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 

@@ -3,6 +3,7 @@ token details, stop criteria and timings; it builds the `RequestOutput` snapshot
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 
 from lora_runtime.core import PrefillToken, Request, RequestOutput, RequestTimes, TokenInfo
 from lora_runtime.detokenizer import IncrementalDetokenizer
@@ -16,12 +17,14 @@ class RequestState:
         self.prompt = prompt
         self.tokenizer_info = info
         self.sampling = SamplingState(request.params, request.prompt_token_ids, info, candidate_index)
+        self.candidate_index = candidate_index
         self.detokenizer = IncrementalDetokenizer(info.tokenizer, request.prompt_token_ids)
         self.stop = StopCriteria(request.params, info.eos_token_ids)
         self.tokens: list[TokenInfo] = []
         self.prompt_logprobs: list[float | None] = [None] * request.num_prompt_tokens
         self.finish_reason = None
         self.error: Exception | None = None
+        self.adapter_load: Future | None = None
         self.times = RequestTimes(arrival=time.monotonic())
 
     @property

@@ -104,6 +104,13 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
+    def add_running(self, request: Request) -> None:
+        """Admit a request whose cache is already filled (a best_of candidate forked from another)."""
+        self._arrivals += 1
+        request.arrival_order = self._arrivals
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
     def schedule(self) -> SchedulerOutput:
         """Fill one step: running requests first, then waiting ones while budgets allow."""
         budget = _StepBudget(self.config)

@@ -13,6 +13,35 @@ import triton.language as tl
 
 
 @triton.jit
+def _attend_block(
+    q, k_cache_ptr, v_cache_ptr, block, k_head_offset, v_head_offset, stride_kb, stride_ko, stride_vb, stride_vo,
+    key_mask, visible, row_max, row_sum, acc, scale,
+    BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax step of queries q [rows, BLOCK_D] over one cache block: `key_mask`
+    [BLOCK_SIZE] says which slots of the block hold keys, `visible` [rows, BLOCK_SIZE] which keys
+    each query may see. Returns the updated (row_max, row_sum, acc)."""
+    offsets = tl.arange(0, BLOCK_SIZE)
+    dims = tl.arange(0, BLOCK_D)
+    tile_mask = key_mask[:, None] & (dims < HEAD_DIM)[None, :]
+    k = tl.load(k_cache_ptr + block * stride_kb + offsets[:, None] * stride_ko + k_head_offset + dims[None, :],
+                mask=tile_mask, other=0.0)  # fmt: skip
+    v = tl.load(v_cache_ptr + block * stride_vb + offsets[:, None] * stride_vo + v_head_offset + dims[None, :],
+                mask=tile_mask, other=0.0)  # fmt: skip
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    scores = tl.dot(q, tl.trans(k.to(q.dtype))) * scale  # [rows, BLOCK_SIZE]
+    scores = tl.where(visible, scores, float("-inf"))
+    new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+    probs = tl.exp(scores - new_max[:, None])
+    rescale = tl.exp(row_max - new_max)
+    row_sum = row_sum * rescale + tl.sum(probs, axis=1)
+    acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v)
+    return new_max, row_sum, acc
+
+
+@triton.jit
 def paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, decode_seq_ptr,
     out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, scale, tokens_per_split,
@@ -44,22 +73,11 @@ def paged_decode_kernel(
     for pos0 in range(start, end, BLOCK_SIZE):
         block = tl.load(block_tables_ptr + seq * stride_bt + pos0 // BLOCK_SIZE).to(tl.int64)
         key_mask = pos0 + offsets < end
-        tile_mask = key_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + block * stride_kb + offsets[:, None] * stride_ko + kv_head * stride_kh
-                    + dims[None, :], mask=tile_mask, other=0.0)  # fmt: skip
-        v = tl.load(v_cache_ptr + block * stride_vb + offsets[:, None] * stride_vo + kv_head * stride_vh
-                    + dims[None, :], mask=tile_mask, other=0.0)  # fmt: skip
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k.to(q.dtype))) * scale  # [BLOCK_G, BLOCK_SIZE]
-        scores = tl.where(key_mask[None, :], scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-        probs = tl.exp(scores - new_max[:, None])
-        rescale = tl.exp(row_max - new_max)
-        row_sum = row_sum * rescale + tl.sum(probs, axis=1)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v)
-        row_max = new_max
+        row_max, row_sum, acc = _attend_block(
+            q, k_cache_ptr, v_cache_ptr, block, kv_head * stride_kh, kv_head * stride_vh,
+            stride_kb, stride_ko, stride_vb, stride_vo,
+            key_mask, key_mask[None, :], row_max, row_sum, acc, scale, BLOCK_SIZE, BLOCK_D, HEAD_DIM, UPCAST,
+        )  # fmt: skip
     out_mask = head_mask[:, None] & dim_mask[None, :]
     if NUM_SPLITS == 1:
         out = acc / row_sum[:, None]
@@ -131,22 +149,12 @@ def paged_prefill_kernel(
     for pos0 in range(0, key_end, BLOCK_SIZE):
         block = tl.load(block_tables_ptr + seq * stride_bt + pos0 // BLOCK_SIZE).to(tl.int64)
         key_pos = pos0 + offsets
-        tile_mask = (key_pos < seq_len)[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + block * stride_kb + offsets[:, None] * stride_ko + kv_head * stride_kh
-                    + dims[None, :], mask=tile_mask, other=0.0)  # fmt: skip
-        v = tl.load(v_cache_ptr + block * stride_vb + offsets[:, None] * stride_vo + kv_head * stride_vh
-                    + dims[None, :], mask=tile_mask, other=0.0)  # fmt: skip
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k.to(q.dtype))) * scale  # [BLOCK_M, BLOCK_SIZE]
-        scores = tl.where(key_pos[None, :] <= query_pos[:, None], scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-        probs = tl.exp(scores - new_max[:, None])
-        rescale = tl.exp(row_max - new_max)
-        row_sum = row_sum * rescale + tl.sum(probs, axis=1)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v)
-        row_max = new_max
+        row_max, row_sum, acc = _attend_block(
+            q, k_cache_ptr, v_cache_ptr, block, kv_head * stride_kh, kv_head * stride_vh,
+            stride_kb, stride_ko, stride_vb, stride_vo,
+            key_pos < seq_len, key_pos[None, :] <= query_pos[:, None], row_max, row_sum, acc, scale,
+            BLOCK_SIZE, BLOCK_D, HEAD_DIM, UPCAST,
+        )  # fmt: skip
     out = acc / row_sum[:, None]
     tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])  # fmt: skip

@@ -106,6 +106,10 @@ class AdapterManager:
         self._futures[key] = future
         return future
 
+    def pin(self, key: str) -> None:
+        """One more user of an adapter that is already loaded (a best_of candidate)."""
+        self.cache.pin(key)
+
     def release(self, key: str) -> None:
         if self.failure(key) is None and key in self.cache:
             self.cache.unpin(key)

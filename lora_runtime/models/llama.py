@@ -87,11 +87,12 @@ class LlamaModel:
         shape = self.shape
         x = rms_norm(hidden, layer.input_norm, shape.rms_norm_eps)
         qkv = self._project(layer_idx, "qkv", x, layer.qkv, batch)
-        q, k, v = qkv.split([shape.q_size, shape.kv_size, shape.kv_size], dim=-1)
         num_tokens = hidden.shape[0]
-        q = apply_rotary(q.view(num_tokens, shape.num_heads, shape.head_dim), cos, sin)
-        k = apply_rotary(k.view(num_tokens, shape.num_kv_heads, shape.head_dim), cos, sin)
-        v = v.view(num_tokens, shape.num_kv_heads, shape.head_dim)
+        # q and k heads are adjacent in the fused output: rotate them in one call.
+        qk = qkv[:, : shape.q_size + shape.kv_size].unflatten(-1, (shape.num_heads + shape.num_kv_heads, shape.head_dim))
+        qk = apply_rotary(qk, cos, sin)  # [num_tokens, num_heads + num_kv_heads, head_dim]
+        q, k = qk[:, : shape.num_heads], qk[:, shape.num_heads :]
+        v = qkv[:, shape.q_size + shape.kv_size :].unflatten(-1, (shape.num_kv_heads, shape.head_dim))
         key_cache, value_cache = kv_cache.key[layer_idx], kv_cache.value[layer_idx]
         kernels.store_kv(k, v, key_cache, value_cache, batch.slot_mapping)
         attended = kernels.paged_attention(q, key_cache, value_cache, batch.attention, self.scale)

@@ -33,7 +33,7 @@ class StopStringMatcher:
         if not self._stops:
             return None
         window = self._tail + piece
-        self._tail = window[len(window) - self._tail_len :] if self._tail_len else ""
+        self._tail = window[-self._tail_len :] if self._tail_len else ""
         hits = [(window.find(s) + len(s), s) for s in self._stops if s in window]
         return min(hits)[1] if hits else None
 

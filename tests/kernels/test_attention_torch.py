@@ -8,7 +8,7 @@ import kernels
 from kernels import reference
 from tests.kernels.factories import dense_causal_attention, scattered_paged_batch
 
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-2, torch.bfloat16: 3e-2}
 
 # (q_lens, seq_lens): pure decode, full prefills, chunked prefill, and a mix in arbitrary order.
 BATCHES = [
@@ -33,7 +33,7 @@ def _dense_oracle(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 1)])
 @pytest.mark.parametrize("q_lens,seq_lens", BATCHES)
 def test_paged_attention_matches_dense(dtype, heads, q_lens, seq_lens) -> None:

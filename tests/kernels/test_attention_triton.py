@@ -10,10 +10,10 @@ from kernels import reference
 from kernels.attention.triton_ops import paged_attention_triton
 from tests.kernels.factories import scattered_paged_batch
 
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-2, torch.bfloat16: 3e-2}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
     "q_lens,seq_lens,heads",
     [

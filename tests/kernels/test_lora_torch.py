@@ -8,7 +8,7 @@ import kernels
 from kernels import reference, tuning
 from tests.kernels.factories import lora_weights, popularity_slots
 
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-2, torch.bfloat16: 3e-2}
 PATTERNS = ["distinct", "uniform", "zipf", "identical", "skewed"]
 
 
@@ -40,7 +40,7 @@ def _case(pattern, num_tokens, dtype, slice_widths, ranks, seed, no_adapter=0.2,
     return y, x, lora_a, lora_b, slots, scales, offsets
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize("num_tokens", [1, 3, 7, 64])
 @pytest.mark.parametrize("sort", [False, True])

@@ -78,3 +78,12 @@ def test_stop_string_spanning_real_tokens_keeps_its_text(tokenizer) -> None:
             break
     assert reason == "stop_sequence"
     assert text.endswith("42. Done") and "here" not in text
+
+
+def test_stop_string_over_single_character_pieces() -> None:
+    """Each piece shorter than the kept tail: the tail must keep all of the recent text."""
+    from lora_runtime.sampling.stop import StopStringMatcher
+
+    matcher = StopStringMatcher(("8, 9",))
+    hits = [matcher.push(piece) for piece in [" ", "7", ",", " ", "8", ",", " ", "9"]]
+    assert hits == [None] * 7 + ["8, 9"]

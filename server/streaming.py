@@ -19,7 +19,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 async def first_output(stream, wait_s: float) -> asyncio.Future:
     """Start fetching the stream's first output and wait up to `wait_s` for it, so that failures
-    known by then (a bad adapter, say) are raised before the response starts. Returns the pending
+    known by then (a failed first step, say) are raised before the response starts. Returns the pending
     fetch, to be handed to `sse_events`."""
     pending = asyncio.ensure_future(stream.__anext__())
     done, _ = await asyncio.wait({pending}, timeout=wait_s)

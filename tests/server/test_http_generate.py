@@ -127,7 +127,6 @@ def test_decoder_input_details(live) -> None:
     assert len(details["prefill"]) == details["prompt_tokens"]
 
 
-@pytest.mark.xfail(strict=True, reason="the engine does not run best_of candidates yet")
 def test_best_of_returns_the_other_candidates(live) -> None:
     body = post(live, "/generate", {"inputs": PROMPT, "parameters": {
         "max_new_tokens": 4, "details": True, "best_of": 2, "do_sample": True, "seed": 3}}).json()

@@ -50,7 +50,9 @@ async def with_keepalive(stream, first: asyncio.Future,
 
 
 async def sse_events(stream, first: asyncio.Future, inputs: str, params: SamplingParams,
-                     keepalive_s: float) -> AsyncIterator[bytes]:
+                     keepalive_s: float,
+                     on_final: Callable[[RequestOutput], None]) -> AsyncIterator[bytes]:
+    """The response body; `on_final` sees the final output once its event is built."""
     num_sent = 0
     try:
         async for output in with_keepalive(stream, first, keepalive_s):
@@ -67,6 +69,7 @@ async def sse_events(stream, first: asyncio.Future, inputs: str, params: Samplin
                 yield sse_event(chunk.model_dump())
             num_sent = len(output.tokens)
             if output.finished:
+                on_final(output)
                 return
     except EngineError as error:
         yield _error_event(error)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from lora_runtime.core import SamplingParams
+from lora_runtime.core import RequestOutput, SamplingParams
 from lora_runtime.errors import EngineError, ValidationError
 from server.auth import authorize_tenant
 from server.body import read_model
@@ -81,7 +81,8 @@ async def _serve(request: Request, state: ServerState, tenant_id: str, deploymen
             if not is_stream:
                 return await _complete(request, stream, body.inputs, params, state, timing,
                                        identity, as_array=mode is Mode.COMPAT)
-            response = await _stream_response(stream, body.inputs, params, state, identity, release)
+            response = await _stream_response(stream, body.inputs, params, state, timing, identity,
+                                              release)
             is_owned_by_response = True
             return response
         finally:
@@ -101,7 +102,8 @@ def _engine_arguments(body: GenerateRequest, state: ServerState,
 
 
 async def _stream_response(stream, inputs: str, params: SamplingParams, state: ServerState,
-                           identity: dict[str, str], release: Callable[[], None]) -> Response:
+                           timing: Timing, identity: dict[str, str],
+                           release: Callable[[], None]) -> Response:
     """SSE once the first output is in (or `keepalive_s` passed), so that early failures still
     get their own status; from then on the response owns the slot and the stream."""
     async def on_close() -> None:
@@ -115,7 +117,8 @@ async def _stream_response(stream, inputs: str, params: SamplingParams, state: S
     except BaseException:
         await on_close()
         raise
-    events = sse_events(stream, first, inputs, params, state.config.keepalive_s)
+    events = sse_events(stream, first, inputs, params, state.config.keepalive_s,
+                        on_final=lambda output: _observe(state, output, timing))
     return CleanupStreamingResponse(events, on_close, identity)
 
 
@@ -140,7 +143,7 @@ def _output_error(error: Exception, state: ServerState) -> ApiError:
     return ApiError(500, "incomplete_generation", f"the engine failed the request: {error}")
 
 
-def _observe(state: ServerState, output, timing: Timing) -> None:
+def _observe(state: ServerState, output: RequestOutput, timing: Timing) -> None:
     times = output.times
     total_s = time.monotonic() - timing.received
     first_token_s = times.first_token - timing.received if times and times.first_token else None

@@ -113,7 +113,12 @@ def test_metrics_report_requests_tokens_and_engine_figures(live) -> None:
     assert response.status_code == 200
     text = httpx.get(live.base_url + "/metrics", headers=live.headers()).text
     assert 'lora_requests_total{route="generate",status="200"}' in text
-    assert _metric(live, "lora_generated_tokens_total") >= 3
+    generated = _metric(live, "lora_generated_tokens_total")
+    assert generated >= 3
+    streamed = httpx.post(live.prefix() + "/generate_stream", headers=live.headers(),
+                          json={"inputs": "Hi", "parameters": {"max_new_tokens": 3}}, timeout=60)
+    assert streamed.status_code == 200
+    assert _metric(live, "lora_generated_tokens_total") == generated + 3
     stats = live.state.async_engine.stats()
     assert _metric(live, "lora_engine_num_total_blocks") == stats.num_total_blocks
     assert "lora_time_to_first_token_seconds_bucket" in text

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.fixtures.postgres import find_postgres_bin_dir, start_postgres
 from tests.server.live import LiveServer, start_live_server
 
 
@@ -19,4 +20,15 @@ def live(engine, tmp_path_factory) -> LiveServer:
     server = start_live_server(engine, tmp_path_factory.mktemp("live"), max_in_flight=4,
                                max_body_bytes=16 * 1024)
     yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def postgres_url():
+    """A throw-away PostgreSQL cluster's SQLAlchemy URL (the `DATABASE_URL` case)."""
+    bin_dir = find_postgres_bin_dir()
+    if bin_dir is None:
+        pytest.skip("PostgreSQL binaries (initdb, pg_ctl) are not installed; run scripts/ensure_postgres.sh")
+    server = start_postgres(bin_dir)
+    yield server.url
     server.stop()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import sqlite3
 import subprocess
 import sys
@@ -127,3 +128,21 @@ def test_other_tables_are_created_on_the_same_database(tmp_path: Path) -> None:
     with database.read() as session:
         assert session.get(Thing, 1) is not None
     database.dispose()
+
+
+def test_tenancy_on_postgresql_through_database_url(postgres_url: str, tmp_path: Path) -> None:
+    environment = {**os.environ, "DATABASE_URL": postgres_url}
+    command = [sys.executable, "-m", "server", "--data-dir", str(tmp_path), "tokens", "create",
+               "--tenant", "acme"]
+    token = subprocess.run(command, check=True, capture_output=True, text=True, env=environment).stdout.strip()
+    assert not (tmp_path / "state.db").exists()
+    database = open_database(postgres_url)
+    try:
+        assert tenant_of_token(database, token) == "acme"
+        register_deployments(database, ["m1"], [Deployment("acme-support", "acme", "m1")])
+        assert resolve_deployment(database, "acme", "acme-support").tenant == "acme"
+        with pytest.raises(Exception, match="foreign key"):
+            with database.write() as session:
+                session.add(TokenRow(tenant="nobody", token_sha256="1" * 64))
+    finally:
+        database.dispose()

@@ -78,7 +78,7 @@ async def sse_events(stream, first: asyncio.Future, inputs: str, params: Samplin
 def _error_event(error: Exception) -> bytes:
     if isinstance(error, EngineError):
         return sse_event(error_body(error.error_type, error.message))
-    return sse_event(error_body("generation", "generation failed"))
+    return sse_event(error_body("incomplete_generation", f"the engine failed the request: {error}"))
 
 
 class CleanupStreamingResponse(StreamingResponse):

@@ -4,7 +4,8 @@
 
 64 requests of ~20-60 prompt tokens, 64 new tokens each, greedy, EOS ignored, on the embedded model,
 bf16. Without `--adapters`: ours against HF's batched `generate`. With `--adapters N`: the requests
-are spread over N random adapters (ranks 8-64, all linear modules) and run against PEFT's mixed-
+are spread over N random adapters (ranks 8-64; `--targets`, default PEFT's default for Llama, q_proj and
+v_proj; `all-linear` for every projection) and run against PEFT's mixed-
 adapter batched `generate` (`adapter_names=`), and against our own base-model run (LoRA overhead).
 Prints tokens per CPU-second and per wall second, ratios on CPU time, peak RSS; the last line is
 one JSON object.
@@ -76,6 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--adapters", type=int, default=0, help="spread requests over N random adapters")
+    parser.add_argument("--targets", default="q_proj,v_proj", help="adapter target modules, or all-linear")
     parser.add_argument("--skip-baseline", action="store_true", help="measure our engine only")
     return parser.parse_args(argv)
 
@@ -93,11 +95,11 @@ def main(argv=None) -> dict:
     prompts = make_prompts(engine.tokenizer, args.num_requests)
     pad_id = engine.tokenizer.eos_token_id
     report: dict = {"threads": args.threads, "dtype": "bfloat16", "num_requests": args.num_requests,
-                    "new_tokens": args.new_tokens, "adapters": args.adapters}
+                    "new_tokens": args.new_tokens, "adapters": args.adapters, "targets": args.targets}
     report["ours"] = ours = run_ours(engine, prompts, args.new_tokens)
     _log("ours, base model", ours)
     if args.adapters:
-        paths = make_random_adapters(model_dir, default_cache_dir() / "bench-adapters", args.adapters)
+        paths = make_random_adapters(model_dir, default_cache_dir() / "bench-adapters", args.adapters, args.targets)
         adapter_of = [i % args.adapters for i in range(args.num_requests)]
         report["ours_adapters"] = mixed = run_ours(engine, prompts, args.new_tokens, [str(paths[i]) for i in adapter_of])
         report["lora_overhead"] = ours["tokens_per_cpu_s"] / mixed["tokens_per_cpu_s"] - 1

@@ -1,5 +1,5 @@
 """The adapter side of `benchmarks.engine --adapters N`: random PEFT adapters for the embedded model
-(ranks 8-64 over all linear modules) and PEFT's mixed-adapter batched `generate` as the baseline."""
+(ranks 8-64 on the chosen target modules) and PEFT's mixed-adapter batched `generate` as the baseline."""
 from __future__ import annotations
 
 import copy
@@ -12,18 +12,20 @@ from benchmarks.timing import Timer
 RANKS = (8, 16, 32, 64)
 
 
-def make_random_adapters(model_dir: Path, root: Path, count: int) -> list[Path]:
-    """`count` PEFT LoRA adapters with non-zero B factors, saved under `root` (reused if present)."""
+def make_random_adapters(model_dir: Path, root: Path, count: int, targets: str) -> list[Path]:
+    """`count` PEFT LoRA adapters with non-zero B factors on `targets` (comma-separated module names
+    or `all-linear`), saved under `root` (reused if present)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    paths = [root / f"random-{i}-r{RANKS[i % len(RANKS)]}" for i in range(count)]
+    paths = [root / f"{targets.replace(',', '-')}-{i}-r{RANKS[i % len(RANKS)]}" for i in range(count)]
     if all((path / "adapter_config.json").is_file() for path in paths):
         return paths
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     for i, path in enumerate(paths):
         rank = RANKS[i % len(RANKS)]
-        config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear")
+        target_modules = targets if targets == "all-linear" else targets.split(",")
+        config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=target_modules)
         model = get_peft_model(copy.deepcopy(base), config)
         generator = torch.Generator().manual_seed(i)
         with torch.no_grad():

@@ -44,46 +44,22 @@ class ModelRunner:
         return ModelRunnerOutput(logits=self.model.forward(batch, self.cache_tensors), rows=rows)
 
     def prepare(self, output: SchedulerOutput, lora: LoraBatch | None) -> tuple[ForwardBatch, LogitsRows]:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start = [0]
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        logits_indices: list[int] = []
-        sample_requests: list[Request] = []
-        sample_rows: list[int] = []
-        prompt_rows: list[tuple[Request, int, int, int]] = []
+        step = _StepInputs(self.block_size)
         for item in output.scheduled:
-            request, start, count = item.request, item.num_computed_tokens, item.num_new_tokens
-            table = self.kv_cache.block_table(request.request_id)
-            first_token = len(input_ids)
-            input_ids.extend(request.all_token_ids[start : start + count])
-            positions.extend(range(start, start + count))
-            slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, start + count))
-            query_start.append(len(input_ids))
-            seq_lens.append(start + count)
-            tables.append(table)
-            # Logits at prompt positions t score prompt token t + 1 (decoder_input_details).
-            num_prompt_rows = min(start + count, request.num_prompt_tokens - 1) - start
-            if request.params.decoder_input_details and num_prompt_rows > 0:
-                prompt_rows.append((request, start, len(logits_indices), num_prompt_rows))
-                logits_indices.extend(range(first_token, first_token + num_prompt_rows))
-            if item.samples_next_token:
-                sample_requests.append(request)
-                sample_rows.append(len(logits_indices))
-                logits_indices.append(len(input_ids) - 1)
+            step.add(item.request, item.num_computed_tokens, item.num_new_tokens, item.samples_next_token,
+                     self.kv_cache.block_table(item.request.request_id))
         batch = ForwardBatch(
-            input_ids=self._tensor(input_ids),
-            positions=self._tensor(positions),
-            slot_mapping=self._tensor(slots),
+            input_ids=self._tensor(step.input_ids),
+            positions=self._tensor(step.positions),
+            slot_mapping=self._tensor(step.slots),
             attention=kernels.PagedAttentionMeta.build(
-                self._tensor(query_start), self._tensor(seq_lens), self._block_tables(tables), self.block_size
+                self._tensor(step.query_start), self._tensor(step.seq_lens), self._block_tables(step.tables),
+                self.block_size,
             ),
-            logits_indices=self._tensor(logits_indices),
+            logits_indices=self._tensor(step.logits_indices),
             lora=lora,
         )
-        return batch, LogitsRows(tuple(sample_requests), tuple(sample_rows), tuple(prompt_rows))
+        return batch, LogitsRows(tuple(step.sample_requests), tuple(step.sample_rows), tuple(step.prompt_rows))
 
     def copy_block(self, source_block: int, target_block: int) -> None:
         """Copy one KV block's contents, in every layer (best_of forks copy a partial block)."""
@@ -97,3 +73,40 @@ class ModelRunner:
         width = max(len(table) for table in tables)
         padded = [table + [0] * (width - len(table)) for table in tables]
         return torch.tensor(padded, dtype=torch.int32, device=self.device)
+
+
+class _StepInputs:
+    """Python-side lists of one step's inputs, filled request by request, turned into tensors once."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.input_ids: list[int] = []
+        self.positions: list[int] = []
+        self.slots: list[int] = []
+        self.query_start = [0]
+        self.seq_lens: list[int] = []
+        self.tables: list[list[int]] = []
+        self.logits_indices: list[int] = []
+        self.sample_requests: list[Request] = []
+        self.sample_rows: list[int] = []
+        self.prompt_rows: list[tuple[Request, int, int, int]] = []
+
+    def add(self, request: Request, start: int, count: int, samples: bool, table: list[int]) -> None:
+        """Tokens start..start+count-1 of `request`, whose blocks are `table`."""
+        first_token = len(self.input_ids)
+        self.input_ids.extend(request.all_token_ids[start : start + count])
+        self.positions.extend(range(start, start + count))
+        size = self.block_size
+        self.slots.extend(table[p // size] * size + p % size for p in range(start, start + count))
+        self.query_start.append(len(self.input_ids))
+        self.seq_lens.append(start + count)
+        self.tables.append(table)
+        # Logits at prompt positions t score prompt token t + 1 (decoder_input_details).
+        num_prompt_rows = min(start + count, request.num_prompt_tokens - 1) - start
+        if request.params.decoder_input_details and num_prompt_rows > 0:
+            self.prompt_rows.append((request, start, len(self.logits_indices), num_prompt_rows))
+            self.logits_indices.extend(range(first_token, first_token + num_prompt_rows))
+        if samples:
+            self.sample_requests.append(request)
+            self.sample_rows.append(len(self.logits_indices))
+            self.logits_indices.append(len(self.input_ids) - 1)

@@ -4,11 +4,10 @@ token ids and text out."""
 from lora_runtime.sampling.chat import render_chat_prompt
 from lora_runtime.sampling.sampler import SampleResult, Sampler, SamplingState, TokenizerInfo, next_token_logprobs, prompt_logprobs
 from lora_runtime.sampling.schema import schema_from_response_format
-from lora_runtime.sampling.stop import IncrementalDecoder, StopCriteria
+from lora_runtime.sampling.stop import StopCriteria
 from lora_runtime.sampling.watermark import WatermarkDetection, detect_watermark
 
 __all__ = [
-    "IncrementalDecoder",
     "SampleResult",
     "Sampler",
     "SamplingState",

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from lora_runtime.core import SamplingParams
-from lora_runtime.sampling import IncrementalDecoder, StopCriteria
+from lora_runtime.detokenizer import IncrementalDetokenizer
+from lora_runtime.sampling import StopCriteria
 from lora_runtime.sampling.stop import StopStringMatcher
 
 EOS = 2
@@ -52,8 +53,8 @@ TEXTS = ["Hello, world! Ça va? Ünïcödé", "Emoji 🦙🚀 and 漢字 mixed",
 def test_incremental_pieces_concatenate_to_the_decoded_text(text: str, tokenizer) -> None:
     prompt_ids = tokenizer("Say something:")["input_ids"]
     generated = tokenizer(text, add_special_tokens=False)["input_ids"]
-    decoder = IncrementalDecoder(tokenizer, prompt_ids)
-    pieces = [decoder.push(token_id) for token_id in generated]
+    decoder = IncrementalDetokenizer(tokenizer, prompt_ids)
+    pieces = [decoder.add_token(token_id) for token_id in generated]
     full = tokenizer.decode(prompt_ids + generated)
     assert "".join(pieces) == full[len(tokenizer.decode(prompt_ids)) :] == text
     assert all("\ufffd" not in piece for piece in pieces)
@@ -62,17 +63,17 @@ def test_incremental_pieces_concatenate_to_the_decoded_text(text: str, tokenizer
 def test_emoji_bytes_are_held_back_until_complete(tokenizer) -> None:
     generated = tokenizer("🦙", add_special_tokens=False)["input_ids"]
     assert len(generated) > 1  # byte-level pieces of one character
-    decoder = IncrementalDecoder(tokenizer, [EOS])
-    assert [decoder.push(t) for t in generated] == [""] * (len(generated) - 1) + ["🦙"]
+    decoder = IncrementalDetokenizer(tokenizer, [EOS])
+    assert [decoder.add_token(t) for t in generated] == [""] * (len(generated) - 1) + ["🦙"]
 
 
 def test_stop_string_spanning_real_tokens_keeps_its_text(tokenizer) -> None:
     ids = tokenizer(" The answer is 42. Done here", add_special_tokens=False)["input_ids"]
     criteria = StopCriteria(SamplingParams(max_new_tokens=50, stop=("42. D",)), {EOS})
-    decoder = IncrementalDecoder(tokenizer, [EOS])
+    decoder = IncrementalDetokenizer(tokenizer, [EOS])
     text, reason = "", None
     for token_id in ids:
-        piece = decoder.push(token_id)
+        piece = decoder.add_token(token_id)
         text += piece
         if (reason := criteria.check(token_id, piece)) is not None:
             break

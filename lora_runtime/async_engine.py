@@ -163,6 +163,8 @@ class AsyncEngine:
             self._drain_commands(block=not self.engine.has_unfinished_requests())
             if self.engine.has_unfinished_requests():
                 self._step()
+        # Aborts queued by `shutdown` just before it set `_stopping` must still free their blocks.
+        self._drain_commands(block=False)
 
     def _drain_commands(self, block: bool) -> None:
         try:

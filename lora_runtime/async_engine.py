@@ -101,29 +101,29 @@ class AsyncEngine:
         request_id: str | None = None,
         api_token: str | None = None,
     ) -> RequestStream:
-        """Validate, queue, and wait until the request's adapter is loaded: validation and adapter
-        failures raise EngineError subclasses here, before anything is streamed."""
-        future: concurrent.futures.Future[tuple[str, concurrent.futures.Future | None]] = concurrent.futures.Future()
+        """Load the request's adapter, then validate and queue: validation and adapter failures
+        raise EngineError subclasses here, before anything is streamed."""
+        adapters = self.engine.adapters
+        adapter_request = adapters.parse(adapter, api_token)
+        if adapter_request is not None:
+            # Hold the adapter loaded (one pin of our own) while the engine thread admits the request.
+            await asyncio.wrap_future(adapters.acquire(adapter_request))
+        future: concurrent.futures.Future[str] = concurrent.futures.Future()
 
         def add() -> None:
             try:
-                new_id = self.engine.add_request(prompt, params, adapter, request_id=request_id, api_token=api_token)
+                new_id = self.engine.add_request(prompt, params, adapter_request, request_id=request_id)
             except Exception as error:  # handed to the caller, who maps it to a status
                 future.set_exception(error)
                 return
+            finally:
+                if adapter_request is not None:
+                    adapters.release(adapter_request.key)
             self._streams[new_id] = RequestStream(new_id, self)
-            future.set_result((new_id, self.engine.adapter_load(new_id)))
+            future.set_result(new_id)
 
         self._commands.put(add)
-        new_id, adapter_load = await asyncio.wrap_future(future)
-        stream = self._streams[new_id]
-        if adapter_load is not None:
-            try:
-                await asyncio.wrap_future(adapter_load)
-            except BaseException:
-                await stream.abort()
-                raise
-        return stream
+        return self._streams[await asyncio.wrap_future(future)]
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; safe from any thread, idempotent."""

@@ -97,26 +97,34 @@ class Engine:
         requests keep running meanwhile, and a failed load fails this request only.
         """
         params = params or SamplingParams()
-        prompt_text, token_ids = prepare_prompt(prompt, params, self)
         adapter_request = self.adapters.parse(adapter, api_token)
         request_id = request_id or f"req-{next(self._request_counter)}"
         if request_id in self._states:
             raise ValidationError("request_id", f"{request_id!r} is already in use")
-        request = Request(request_id=request_id, prompt_token_ids=token_ids, params=params)
-        state = RequestState(request, prompt_text, self.tokenizer_info)
-        if adapter_request is not None:
-            state.adapter_load = self.adapters.acquire(adapter_request)
-            request.adapter_key = adapter_request.key
+        adapter_load = self.adapters.acquire(adapter_request) if adapter_request is not None else None
+        try:
+            chat_template = self._chat_template(params, adapter_request, adapter_load)
+            prompt_text, token_ids = prepare_prompt(prompt, params, self, chat_template)
+            request = Request(request_id=request_id, prompt_token_ids=token_ids, params=params)
+            state = RequestState(request, prompt_text, self.tokenizer_info)
+        except BaseException:
+            if adapter_request is not None:
+                self.adapters.release_when_loaded(adapter_request.key, adapter_load)
+            raise
+        request.adapter_key = adapter_request.key if adapter_request is not None else None
         self._states[request_id] = state
         if params.best_of > 1:
             self._group_of[request_id] = BestOfGroup(state)
         self.scheduler.add_request(request)
         return request_id
 
-    def adapter_load(self, request_id: str) -> Future | None:
-        """The load of the request's adapter (None without one): done when it is ready or failed."""
-        state = self._states.get(request_id)
-        return state.adapter_load if state is not None else None
+    def _chat_template(self, params: SamplingParams, adapter_request, adapter_load: Future | None) -> str | None:
+        """The adapter's own chat template for apply_chat_template: this waits for the adapter to
+        load (AsyncEngine loads it before calling add_request, so the server never waits here)."""
+        if not params.apply_chat_template or adapter_load is None:
+            return None
+        adapter_load.result()  # raises the adapter's typed error
+        return self.adapters.chat_template(adapter_request.key)
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (all its best_of candidates) wherever it is; its KV blocks are freed at

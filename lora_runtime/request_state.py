@@ -3,7 +3,6 @@ token details, stop criteria and timings; it builds the `RequestOutput` snapshot
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future
 
 from lora_runtime.core import PrefillToken, Request, RequestOutput, RequestTimes, TokenInfo
 from lora_runtime.detokenizer import IncrementalDetokenizer
@@ -24,7 +23,6 @@ class RequestState:
         self.prompt_logprobs: list[float | None] = [None] * request.num_prompt_tokens
         self.finish_reason = None
         self.error: Exception | None = None
-        self.adapter_load: Future | None = None
         self.times = RequestTimes(arrival=time.monotonic())
 
     @property

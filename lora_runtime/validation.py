@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from lora_runtime.core import SamplingParams
 from lora_runtime.errors import ValidationError
+from lora_runtime.sampling.chat import render_chat_prompt
 
 
-def prepare_prompt(prompt: str | list[int], params: SamplingParams, engine) -> tuple[str | None, list[int]]:
-    """Tokenize (or take) the prompt, apply `truncate`, and check lengths and limits.
+def prepare_prompt(
+    prompt: str | list[int], params: SamplingParams, engine, chat_template: str | None = None
+) -> tuple[str | None, list[int]]:
+    """Render the chat template if asked, tokenize (or take) the prompt, apply `truncate`, and check
+    lengths and limits. `chat_template` is the adapter's own, else the base model's is used.
 
     Returns (prompt text or None, prompt token ids after truncation).
     """
@@ -15,12 +19,19 @@ def prepare_prompt(prompt: str | list[int], params: SamplingParams, engine) -> t
     if isinstance(prompt, str):
         if not prompt:
             raise ValidationError("inputs", "must not be empty")
-        prompt_text, token_ids = prompt, engine.tokenizer(prompt)["input_ids"]
+        if params.apply_chat_template:
+            # The rendered template already holds the special tokens: do not add them again.
+            prompt_text = render_chat_prompt(prompt, engine.tokenizer, chat_template)
+            token_ids = engine.tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+        else:
+            prompt_text, token_ids = prompt, engine.tokenizer(prompt)["input_ids"]
     else:
+        if params.apply_chat_template:
+            raise ValidationError("apply_chat_template", "needs text inputs, not token ids")
         prompt_text, token_ids = None, [int(t) for t in prompt]
-        vocab_size = engine.model.shape.vocab_size
-        if any(not 0 <= t < vocab_size for t in token_ids):
-            raise ValidationError("inputs", f"token ids must be in [0, {vocab_size})")
+    vocab_size = engine.model.shape.vocab_size
+    if any(not 0 <= t < vocab_size for t in token_ids):
+        raise ValidationError("inputs", f"token ids must be in [0, {vocab_size})")
     if not token_ids:
         raise ValidationError("inputs", "must contain at least one token")
     if params.truncate is not None:

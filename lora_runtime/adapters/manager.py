@@ -10,6 +10,7 @@ of the cache alone.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -27,7 +28,7 @@ from lora_runtime.adapters.refs import AdapterRef, LocalSource, parse_adapter_re
 from lora_runtime.adapters.slots import AdapterSlotPool
 from lora_runtime.adapters.weights import AdapterLimits, BaseModelShape, LoraWeights
 from lora_runtime.config import AdapterConfig
-from lora_runtime.errors import ValidationError
+from lora_runtime.errors import AdapterInvalidError, ValidationError
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class AdapterManager:
         self.pool = AdapterSlotPool(base_shape, config.num_slots, config.max_rank, dtype, device)
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # least recently used first
         self._futures: dict[str, Future[LoraWeights]] = {}
+        self._chat_templates: dict[str, str] = {}  # key -> the adapter's own chat template
 
     def parse(self, adapter: object, api_token: str | None = None, scope: str = "") -> AdapterRequest | None:
         """Accept None, an id string, an `AdapterRef`, a `MergedAdapters` or an `AdapterRequest`."""
@@ -114,6 +116,10 @@ class AdapterManager:
         if self.failure(key) is None and key in self.cache:
             self.cache.unpin(key)
 
+    def release_when_loaded(self, key: str, load: Future[LoraWeights]) -> None:
+        """Give back a pin taken by `acquire` whose request was refused, once its load settles."""
+        load.add_done_callback(lambda done: self.release(key) if done.exception() is None else None)
+
     def is_ready(self, key: str) -> bool:
         future = self._futures.get(key)
         return future is not None and future.done() and future.exception() is None
@@ -122,21 +128,28 @@ class AdapterManager:
         future = self._futures.get(key)
         return future.exception() if future is not None and future.done() else None
 
+    def chat_template(self, key: str) -> str | None:
+        """The chat template the adapter ships (tokenizer files beside its weights), if any."""
+        return self._chat_templates.get(key)
+
     def _load(self, key: str) -> LoraWeights:
         request = self._requests[key]
         if isinstance(request.adapter, MergedAdapters):
-            parts = [self._load_one(self.parse(adapter_id, request.api_token, request.scope)) for adapter_id in request.adapter.ids]
+            parts = [self._load_one(self.parse(adapter_id, request.api_token, request.scope))[0] for adapter_id in request.adapter.ids]
             return merge_lora_weights(parts, request.adapter)
-        return self._load_one(request)
+        weights, template = self._load_one(request)
+        if template:
+            self._chat_templates[key] = template
+        return weights
 
-    def _load_one(self, request: AdapterRequest) -> LoraWeights:
+    def _load_one(self, request: AdapterRequest) -> tuple[LoraWeights, str | None]:
         ref = request.adapter
         if not isinstance(ref, AdapterRef):
             raise ValidationError("merged_adapters.ids", "a merge cannot contain another merge")
         directory = self.sources[ref.source](ref, request.api_token, request.scope)
         weights = load_peft_adapter(directory, self.base_shape, self.limits)
         logger.info("loaded adapter %s (rank %d, %d bytes)", ref.adapter_id, weights.max_rank, weights.num_bytes)
-        return weights
+        return weights, read_chat_template(directory)
 
     def assign_slots(self, keys: set[str]) -> dict[str, int]:
         """Give every adapter of the step a device slot, loading weights into free or least recently
@@ -168,6 +181,25 @@ class AdapterManager:
 
     def close(self) -> None:
         self.cache.close()
+
+
+def read_chat_template(directory: Path) -> str | None:
+    """`chat_template.jinja`, else `tokenizer_config.json`'s `chat_template` (a string, or a list of
+    named templates of which `default` is used)."""
+    jinja = directory / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    config_path = directory / "tokenizer_config.json"
+    if not config_path.is_file():
+        return None
+    try:
+        template = json.loads(config_path.read_text()).get("chat_template")
+    except (json.JSONDecodeError, AttributeError):
+        raise AdapterInvalidError("tokenizer_config.json: not a JSON object") from None
+    if isinstance(template, list):
+        named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) and template else None
 
 
 class LoraStep:

@@ -85,9 +85,15 @@ def apply_repetition_penalty(
     return torch.where(seen.to(scores.device), penalised, scores)
 
 
+# Below this a temperature only sharpens the distribution to its argmax, but dividing by it can
+# overflow fp32 logits to inf (and NaN probabilities): the limit T -> 0 is greedy, and at 1e-4 a
+# logit gap of 0.01 already gives a ratio of e^100.
+MIN_TEMPERATURE = 1e-4
+
+
 def apply_temperature(scores: torch.Tensor, temperatures: Sequence[float]) -> torch.Tensor:
-    """Divide row i by `temperatures[i]` (> 0)."""
-    return scores / _column(temperatures, scores)
+    """Divide row i by `temperatures[i]` (> 0), at least MIN_TEMPERATURE."""
+    return scores / _column([max(t, MIN_TEMPERATURE) for t in temperatures], scores)
 
 
 def apply_top_k(scores: torch.Tensor, top_k: Sequence[int]) -> torch.Tensor:

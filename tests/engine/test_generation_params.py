@@ -138,3 +138,21 @@ def test_uncompilable_schema_is_refused_before_generation(engine) -> None:
     with pytest.raises(ValidationError) as error:
         engine.add_request("hi", SamplingParams(schema='{"type": "string", "format": "no-such-format", "uniqueItems": true, "not": {}}'))
     assert error.value.field == "schema"
+
+
+CUSTOM_TEMPLATE = "{% for m in messages %}<<{{ m['role'] }}>>{{ m['content'] }}{% endfor %}<<assistant>>"
+
+
+def test_apply_chat_template_renders_text_or_messages_with_the_base_template(engine) -> None:
+    from lora_runtime.validation import prepare_prompt
+
+    params = SamplingParams(max_new_tokens=4, apply_chat_template=True)
+    expected = chat(engine, "What is 2 + 2?")
+    for inputs in ("What is 2 + 2?", json.dumps([{"role": "user", "content": "What is 2 + 2?"}])):
+        output = engine.generate([inputs], params)[0]
+        assert output.prompt == expected
+        assert output.prompt_token_ids == engine.tokenizer(expected, add_special_tokens=False)["input_ids"]
+    assert prepare_prompt("hi", params, engine, CUSTOM_TEMPLATE)[0] == "<<user>>hi<<assistant>>"
+    with pytest.raises(ValidationError) as error:
+        engine.add_request(json.dumps([{"role": "user"}]), params)
+    assert error.value.field == "inputs"

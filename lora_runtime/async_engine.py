@@ -33,6 +33,10 @@ class EngineStats:
     num_steps: int
     num_generated_tokens: int
     num_finished_requests: int
+    num_preemptions: int
+    num_cached_adapters: int
+    num_pinned_adapters: int
+    adapter_cache_bytes: int
 
 
 class RequestStream:
@@ -136,6 +140,7 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         scheduler = self.engine.scheduler
+        cached = self.engine.adapters.cache.snapshot()  # (key, bytes, pins) per entry
         return EngineStats(
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
@@ -144,6 +149,10 @@ class AsyncEngine:
             num_steps=self._num_steps,
             num_generated_tokens=self._num_generated_tokens,
             num_finished_requests=self._num_finished,
+            num_preemptions=scheduler.num_preemptions,
+            num_cached_adapters=len(cached),
+            num_pinned_adapters=sum(1 for _, _, pins in cached if pins),
+            adapter_cache_bytes=sum(num_bytes for _, num_bytes, _ in cached),
         )
 
     async def shutdown(self, deadline_s: float = 10.0) -> None:

@@ -25,7 +25,9 @@ class KVCacheConfig:
 class SchedulerConfig:
     """Per-step budgets. Tokens, sequences and distinct adapters are each capped per step."""
 
-    max_num_batched_tokens: int = 512
+    # 2048 lets a burst of prompts prefill in few large steps, where the CPU's matrix units are
+    # efficient (64 prompts of 20-60 tokens: +15% end-to-end throughput against 512, measured).
+    max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     max_adapters_per_step: int = 8
     # Requests waiting longer than this many steps are admitted before newer ones of popular

@@ -180,7 +180,8 @@ class Engine:
             for item in output.scheduled
             for _ in range(item.num_new_tokens)
         ]
-        return self.adapters.lora_batch(torch.tensor(token_slots, dtype=torch.int64, device=self.config.device))
+        slots = torch.tensor(token_slots, dtype=torch.int64, device=self.config.device)
+        return self.adapters.lora_batch(slots, set(slot_of.values()))
 
     def _record_prompt_logprobs(self, runner_output: ModelRunnerOutput) -> None:
         logits = runner_output.logits

@@ -9,6 +9,7 @@ of the cache alone.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -174,10 +175,15 @@ class AdapterManager:
         victim = next(key for key in self._slot_of if key not in keys)
         return self._slot_of.pop(victim)
 
-    def lora_batch(self, token_slots: torch.Tensor) -> LoraStep:
-        """The step's LoRA applier, for token_slots `[num_tokens]` (-1 = base model)."""
+    def lora_batch(self, token_slots: torch.Tensor, active_slots: set[int]) -> LoraStep:
+        """The step's LoRA applier, for token_slots `[num_tokens]` (-1 = base model). Each projection
+        gets the slots' ranks within it, and projections that no active slot targets are skipped."""
         meta = kernels.LoraBatchMeta.from_token_slots(token_slots, slot_ranks=self.pool.slot_ranks)
-        return LoraStep(self.pool, meta)
+        metas = {}
+        for projection, ranks in self.pool.projection_ranks.items():
+            if any(ranks[slot] for slot in active_slots):
+                metas[projection] = dataclasses.replace(meta, slot_ranks=tuple(ranks))
+        return LoraStep(self.pool, metas)
 
     def close(self) -> None:
         self.cache.close()
@@ -205,12 +211,15 @@ def read_chat_template(directory: Path) -> str | None:
 class LoraStep:
     """Implements `forward_batch.LoraBatch` for one step: adds each token's adapter delta."""
 
-    __slots__ = ("pool", "meta")
+    __slots__ = ("pool", "metas")
 
-    def __init__(self, pool: AdapterSlotPool, meta: kernels.LoraBatchMeta) -> None:
+    def __init__(self, pool: AdapterSlotPool, metas: dict[str, kernels.LoraBatchMeta]) -> None:
         self.pool = pool
-        self.meta = meta
+        self.metas = metas  # projection -> batch metadata with that projection's slot ranks
 
     def apply(self, layer_idx: int, projection: str, y: torch.Tensor, x: torch.Tensor) -> None:
+        meta = self.metas.get(projection)
+        if meta is None:
+            return  # no adapter of this step targets this projection
         lora_a, lora_b, slice_offsets = self.pool.layer(layer_idx, projection)
-        kernels.add_lora(y, x, lora_a, lora_b, self.meta, slice_offsets=slice_offsets)
+        kernels.add_lora(y, x, lora_a, lora_b, meta, slice_offsets=slice_offsets)

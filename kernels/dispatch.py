@@ -55,6 +55,7 @@ def add_lora(
         backend: None (by device), "torch" or "triton".
     """
     if resolve_backend(y.device, backend) == "triton":
+        # Imported on first use: triton is an optional dependency of CPU-only installs.
         from kernels.lora.triton_ops import add_lora_triton
 
         add_lora_triton(y, x, lora_a, lora_b, meta, scales, slice_offsets)
@@ -98,6 +99,9 @@ def paged_attention(
     multiple of num_kv_heads (head h reads KV head h // group); meta: `PagedAttentionMeta.build`.
     Returns [T, num_heads, D]. Semantics per sequence: softmax(q @ K^T * scale + causal) @ V where
     the new tokens are the last q_len positions of the context.
+    The CPU path gathers whole cache blocks and masks the positions past each context, so every
+    cache entry must hold a finite value (allocate caches with torch.zeros, not torch.empty):
+    a masked NaN still turns the output into NaN through 0 * NaN.
     """
     if resolve_backend(q.device, backend) == "triton":
         from kernels.attention.triton_ops import paged_attention_triton

@@ -38,14 +38,55 @@ def add_lora(
             y[t, offsets[i] : offsets[i + 1]] = (y[t, offsets[i] : offsets[i + 1]].float() + delta).to(y.dtype)
 
 
+def sgmv_shrink(
+    x: torch.Tensor, lora_a: torch.Tensor, meta: LoraBatchMeta, split_k: int | None = None
+) -> torch.Tensor:
+    """v[t] = x[t] @ lora_a[s].T for s = token_slots[t] >= 0, else 0: x [T, hidden_in],
+    lora_a [S, R_total, hidden_in] -> v [T, R_total] fp32. `split_k` is ignored."""
+    v = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32)
+    for t, slot in enumerate(meta.token_slots.tolist()):
+        if slot >= 0:
+            v[t] = x[t].float() @ lora_a[slot].float().T
+    return v
+
+
+def sgmv_expand(
+    y: torch.Tensor,
+    v: torch.Tensor,
+    lora_b: torch.Tensor,
+    meta: LoraBatchMeta,
+    scales: torch.Tensor | None = None,
+    slice_offsets: torch.Tensor | Sequence[int] | None = None,
+) -> None:
+    """y[t, cols_i] += v[t, i*R:(i+1)*R] @ lora_b[s, cols_i].T * scales[s] for s = token_slots[t] >= 0,
+    where cols_i = slice_offsets[i]:slice_offsets[i+1] and R = lora_b.shape[2]."""
+    offsets = [int(o) for o in slice_offsets] if slice_offsets is not None else [0, y.shape[1]]
+    max_rank = lora_b.shape[2]
+    for t, slot in enumerate(meta.token_slots.tolist()):
+        if slot < 0:
+            continue
+        scale = 1.0 if scales is None else float(scales[slot])
+        for i in range(len(offsets) - 1):
+            cols = slice(offsets[i], offsets[i + 1])
+            delta = v[t, i * max_rank : (i + 1) * max_rank].float() @ lora_b[slot, cols].float().T * scale
+            y[t, cols] = (y[t, cols].float() + delta).to(y.dtype)
+
+
+# SGMV and BGMV compute the same thing; they differ only in how the work is split into programs.
+bgmv_shrink = sgmv_shrink
+bgmv_expand = sgmv_expand
+
+
 def store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    backend: str | None = None,
 ) -> None:
-    """k_cache[slot // block_size, slot % block_size] = k[t] for slot = slot_mapping[t] >= 0 (same for v)."""
+    """k_cache[slot // block_size, slot % block_size] = k[t] for slot = slot_mapping[t] >= 0 (same for v).
+    `backend` is accepted for signature parity and ignored."""
     block_size = k_cache.shape[1]
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot >= 0:
@@ -59,10 +100,11 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: PagedAttentionMeta,
     scale: float,
+    backend: str | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens (the last q_len of its context) over its cached
     context. q [T, num_heads, D], caches [num_blocks, block_size, num_kv_heads, D] -> [T, num_heads, D].
-    Query head h reads KV head h // (num_heads // num_kv_heads)."""
+    Query head h reads KV head h // (num_heads // num_kv_heads). `backend` is ignored."""
     out = torch.empty_like(q)
     starts = meta.query_start_loc.tolist()
     for b, seq_len in enumerate(meta.seq_lens.tolist()):

@@ -4,16 +4,72 @@ Figures are from `python -m benchmarks.kernels` on the development CPU (1 thread
 in benchmarks/results/ for the numbers behind each choice."""
 from __future__ import annotations
 
-# CPU add_lora: the per-segment loop costs ~2 small matmul calls per segment and slice; the
-# gathered form costs a weight gather per token. The gather only wins when almost every token is
-# its own segment and there are many of them.
-GATHERED_LORA_MIN_SEGMENTS = 32
-GATHERED_LORA_MAX_TOKENS_PER_SEGMENT = 1.5
+import torch
+
+# CPU add_lora: the per-segment loop costs ~2 small fp32 matmul calls per segment and slice; the
+# gathered form copies each token's B (the [total_out, rank] weight) and runs batched matmuls.
+# Measured (64 tokens, 576 -> 1536, rank 16): with fp32 weights the loop always won (64 distinct
+# adapters: 2.8 vs 3.5 ms); with bf16 weights the gathered bf16 form won from ~16 segments of
+# <= 4 tokens (64 distinct: 1.8 vs 14.7 ms native bf16 loop or ~3 ms loop with fp32 casts).
+GATHERED_LORA_MIN_SEGMENTS = 16
+# CPU add_lora with 16-bit inputs: a segment of at least this many tokens runs in its own dtype,
+# shorter ones in fp32. One segment, rank 16, 576 -> 1536, bf16 in place vs cast to fp32 and back:
+# 4 tokens 122 vs 69 us, 32 tokens 154 vs 148 us, 64 tokens 220 vs 275 us, 256 tokens 444 vs 2596 us.
+NATIVE_16BIT_MIN_SEGMENT_TOKENS = 32
+GATHERED_LORA_MAX_TOKENS_PER_SEGMENT = 4.0
 
 
-def use_gathered_lora(num_active_tokens: int, num_segments: int) -> bool:
+def use_gathered_lora(weight_dtype: torch.dtype, num_active_tokens: int, num_segments: int) -> bool:
     """Whether the CPU add_lora should take the per-token gathered form over the segment loop."""
     return (
-        num_segments >= GATHERED_LORA_MIN_SEGMENTS
+        weight_dtype in (torch.bfloat16, torch.float16)
+        and num_segments >= GATHERED_LORA_MIN_SEGMENTS
         and num_active_tokens <= GATHERED_LORA_MAX_TOKENS_PER_SEGMENT * num_segments
     )
+
+
+# CPU paged attention: decode sequences per padded gather + attention call. 64 sequences of 20-150
+# tokens (head_dim 64, 9/3 heads): one bucket of 64 took 9-24 ms fp32 (1.9x padding, buffers so big
+# that allocating them dominates), buckets of 8-16 took ~4 ms, one call per sequence ~9 ms.
+DECODE_BUCKET_SEQS = 12
+
+# CPU paged attention, prefill: queries per scores chunk. Bounds the [heads, chunk, keys] scores
+# (256 x 4096 keys x 9 heads fp32 = 38 MB) while keeping each matmul large.
+PREFILL_QUERY_CHUNK = 256
+
+# Triton LoRA tiles. tl.dot needs every tile dimension >= 16 on GPU.
+SGMV_BLOCK_M = 16  # tokens of one segment per program
+LORA_BLOCK_N = 32  # output columns per program (rank columns for shrink, hidden for expand)
+LORA_BLOCK_K = 64  # reduction columns per step of the shrink (hidden_in)
+# Split-K for the shrink: its output is only num_slices * rank wide, so with a wide input few
+# programs run; split the reduction into chunks of at least this many input columns.
+SPLIT_K_MIN_COLS = 1024
+MAX_SPLIT_K = 8
+# add_lora on Triton takes BGMV (one program per token) when segments average fewer tokens than
+# this: an SGMV tile of SGMV_BLOCK_M rows would be mostly padding.
+BGMV_MAX_TOKENS_PER_SEGMENT = 4.0
+
+
+def split_k_for(hidden_in: int) -> int:
+    """How many programs share the reduction of one shrink tile."""
+    return max(1, min(MAX_SPLIT_K, hidden_in // SPLIT_K_MIN_COLS))
+
+
+def use_bgmv(num_active_tokens: int, num_segments: int) -> bool:
+    return num_active_tokens < BGMV_MAX_TOKENS_PER_SEGMENT * num_segments
+
+# Triton paged attention. Decode splits a context across programs only when the batch alone does
+# not fill the GPU: aim for about DECODE_TARGET_PROGRAMS programs, each split covering at least
+# DECODE_MIN_SPLIT_TOKENS keys; the number of splits is a power of two (the merge uses tl.arange).
+DECODE_TARGET_PROGRAMS = 512
+DECODE_MIN_SPLIT_TOKENS = 256
+DECODE_MAX_SPLITS = 16
+PREFILL_BLOCK_M = 16  # new tokens per prefill program
+
+
+def decode_splits(num_programs: int, max_seq_len: int) -> int:
+    """Splits per (sequence, KV head) for the Triton decode kernel."""
+    wanted = max(1, DECODE_TARGET_PROGRAMS // max(1, num_programs))
+    affordable = max(1, max_seq_len // DECODE_MIN_SPLIT_TOKENS)
+    splits = min(wanted, affordable, DECODE_MAX_SPLITS)
+    return 1 << (splits.bit_length() - 1)  # round down to a power of two

@@ -1,5 +1,23 @@
-"""lora_runtime: a multi-adapter LLM engine over a paged KV cache with continuous batching."""
+"""lora_runtime: a multi-adapter LLM engine over a paged KV cache with continuous batching.
+
+Public API: `Engine`, `EngineConfig`, `SamplingParams`, `RequestOutput`, `AsyncEngine`.
+"""
+from lora_runtime.adapters.merge import MergedAdapters
+from lora_runtime.async_engine import AsyncEngine, EngineStats, RequestStream
+from lora_runtime.config import EngineConfig
 from lora_runtime.core import RequestOutput, SamplingParams
+from lora_runtime.engine import Engine
 from lora_runtime.errors import EngineError, ValidationError
 
-__all__ = ["EngineError", "RequestOutput", "SamplingParams", "ValidationError"]
+__all__ = [
+    "AsyncEngine",
+    "Engine",
+    "EngineConfig",
+    "EngineError",
+    "EngineStats",
+    "MergedAdapters",
+    "RequestOutput",
+    "RequestStream",
+    "SamplingParams",
+    "ValidationError",
+]

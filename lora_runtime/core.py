@@ -40,6 +40,7 @@ class SamplingParams:
     truncate: int | None = None
     watermark: bool = False
     schema: str | None = None
+    apply_chat_template: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, list):

@@ -1,14 +1,16 @@
 """Fast PyTorch paths of the KV-cache write and paged attention, used on CPU.
 
-Decode rows of all sequences go through one padded block gather and one attention call: the query
-heads that share a KV head are laid along the query-length axis ([num_decode, kv_heads, group, D]),
-so the KV heads are never repeated. Prefill sequences take one call each with a causal mask."""
+Decode rows go through one padded block gather and one attention call per length bucket (see
+`kernels.attention.meta`): the query heads that share a KV head are laid along the query-length
+axis ([num_seqs, kv_heads, group, D]), so KV heads are never repeated. Prefill sequences take one
+call each (or a few, by query chunks) of plain matmuls with a causal mask."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from kernels.attention.meta import DecodePlan, PagedAttentionMeta, PrefillPlan
+from kernels import tuning
+from kernels.attention.meta import DecodeBucket, PagedAttentionMeta, PrefillPlan
 
 
 def store_kv_torch(
@@ -36,8 +38,8 @@ def paged_attention_torch(
 ) -> torch.Tensor:
     """q [T, num_heads, D], caches [num_blocks, block_size, num_kv_heads, D] -> out [T, num_heads, D]."""
     out = torch.empty_like(q)
-    if meta.decode is not None:
-        _decode(q, k_cache, v_cache, meta.decode, scale, out)
+    for bucket in meta.decode_buckets:
+        _decode(q, k_cache, v_cache, bucket, scale, out)
     for plan in meta.prefills:
         _prefill(q, k_cache, v_cache, plan, scale, out)
     return out
@@ -53,20 +55,19 @@ def _decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    plan: DecodePlan,
+    bucket: DecodeBucket,
     scale: float,
     out: torch.Tensor,
 ) -> None:
-    num_decode = plan.token_rows.numel()
+    num_seqs = bucket.token_rows.numel()
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
-    rows = slice(*plan.row_range) if plan.row_range else plan.token_rows
-    # [num_decode, kv_heads, group, D]: head h reads kv head h // group.
-    q_rows = q[rows].view(num_decode, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    keys = _gather(k_cache, plan.block_idx, num_decode)
-    values = _gather(v_cache, plan.block_idx, num_decode)
-    attended = F.scaled_dot_product_attention(q_rows, keys, values, attn_mask=plan.valid_mask, scale=scale)
-    out[rows] = attended.reshape(num_decode, num_heads, head_dim)
+    # [num_seqs, kv_heads, group, D]: head h reads kv head h // group.
+    q_rows = q.index_select(0, bucket.token_rows).view(num_seqs, num_kv_heads, -1, head_dim)
+    keys = _gather(k_cache, bucket.block_idx, num_seqs)
+    values = _gather(v_cache, bucket.block_idx, num_seqs)
+    attended = F.scaled_dot_product_attention(q_rows, keys, values, attn_mask=bucket.valid_mask, scale=scale)
+    out.index_copy_(0, bucket.token_rows, attended.view(num_seqs, num_heads, head_dim))
 
 
 def _prefill(
@@ -77,16 +78,24 @@ def _prefill(
     scale: float,
     out: torch.Tensor,
 ) -> None:
-    keys = _gather(k_cache, plan.block_idx, 1)[0, :, : plan.seq_len]  # [kv_heads, seq_len, D]
-    values = _gather(v_cache, plan.block_idx, 1)[0, :, : plan.seq_len]
-    q_rows = q[plan.row_start : plan.row_end].transpose(0, 1)  # [num_heads, q_len, D]
-    attended = F.scaled_dot_product_attention(
-        q_rows,
-        keys,
-        values,
-        attn_mask=plan.causal_mask,
-        is_causal=plan.causal_mask is None,
-        scale=scale,
-        enable_gqa=True,
-    )
-    out[plan.row_start : plan.row_end] = attended.transpose(0, 1)
+    """Plain grouped matmul-softmax-matmul, by chunks of queries so the scores stay small; each
+    chunk only reads the keys up to its last position. Measured 3-4x faster than SDPA's causal CPU
+    kernel here (256 new tokens, 9/3 heads: fp32 4.6 vs 17.8 ms, bf16 2.9 vs 6.7 ms)."""
+    num_kv_heads, head_dim = k_cache.shape[2:]
+    keys = _gather(k_cache, plan.block_idx, 1)[0]  # [kv_heads, num_blocks * block_size, D]
+    values = _gather(v_cache, plan.block_idx, 1)[0]
+    q_len = plan.row_end - plan.row_start
+    for first in range(0, q_len, tuning.PREFILL_QUERY_CHUNK):
+        last = min(first + tuning.PREFILL_QUERY_CHUNK, q_len)
+        num_keys = plan.seq_len - q_len + last  # the chunk's last query sees keys [0, num_keys)
+        rows = q[plan.row_start + first : plan.row_start + last]  # [chunk, heads, D]
+        # [kv_heads, group * chunk, D]: the heads sharing a KV head share one matmul.
+        grouped = rows.view(last - first, num_kv_heads, -1, head_dim).permute(1, 2, 0, 3)
+        grouped = grouped.reshape(num_kv_heads, -1, head_dim)
+        scores = torch.matmul(grouped, keys[:, :num_keys].transpose(1, 2)).mul_(scale)
+        scores = scores.view(num_kv_heads, -1, last - first, num_keys)  # [kv_heads, group, chunk, keys]
+        scores.masked_fill_(plan.future_mask[first:last, :num_keys], float("-inf"))
+        probs = scores.softmax(-1).view(num_kv_heads, -1, num_keys)
+        attended = torch.matmul(probs, values[:, :num_keys])  # [kv_heads, group * chunk, D]
+        attended = attended.view(num_kv_heads, -1, last - first, head_dim).permute(2, 0, 1, 3)
+        out[plan.row_start + first : plan.row_start + last] = attended.reshape(last - first, -1, head_dim)

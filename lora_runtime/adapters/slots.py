@@ -86,6 +86,9 @@ class AdapterSlotPool:
             for name, layout in self.layouts.items()
         }
         self.slot_ranks: list[int] = [0] * num_slots  # 0: empty slot
+        # Rank of each slot within each projection (0: the adapter does not touch it), so a step
+        # skips the projections none of its adapters target.
+        self.projection_ranks: dict[str, list[int]] = {name: [0] * num_slots for name in self.layouts}
 
     def layer(
         self, layer_idx: int, projection: str
@@ -112,6 +115,8 @@ class AdapterSlotPool:
             lora_b = self._lora_b[layer_idx][projection][slot_idx]
             lora_a[row_start : row_start + factors.rank].copy_(factors.lora_a)
             lora_b[col_start:col_end, : factors.rank].copy_(factors.lora_b.float() * factors.scale)
+            ranks = self.projection_ranks[projection]
+            ranks[slot_idx] = max(ranks[slot_idx], factors.rank)
         self.slot_ranks[slot_idx] = weights.max_rank
 
     def clear(self, slot_idx: int) -> None:
@@ -120,6 +125,8 @@ class AdapterSlotPool:
             for tensor in (*layer_a.values(), *layer_b.values()):
                 tensor[slot_idx].zero_()
         self.slot_ranks[slot_idx] = 0
+        for ranks in self.projection_ranks.values():
+            ranks[slot_idx] = 0
 
     @property
     def num_bytes(self) -> int:

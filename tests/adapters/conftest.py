@@ -1,12 +1,7 @@
-import os
+import pytest
+from transformers import LlamaForCausalLM
 
-# Tests never reach a hub; set before transformers / huggingface_hub are imported.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-import pytest  # noqa: E402
-from transformers import LlamaForCausalLM  # noqa: E402
-
-from tests.adapters.peft_factory import tiny_llama  # noqa: E402
+from tests.adapters.peft_factory import tiny_llama
 
 
 @pytest.fixture(scope="session")

@@ -8,12 +8,14 @@ import kernels
 from kernels import reference
 from tests.kernels.factories import dense_causal_attention, scattered_paged_batch
 
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-2, torch.bfloat16: 3e-2}
 
 # (q_lens, seq_lens): pure decode, full prefills, chunked prefill, and a mix in arbitrary order.
 BATCHES = [
     ([1, 1, 1], [1, 17, 40]),
     ([5, 16], [5, 16]),
+    ([300], [300]),
+    ([1, 270], [5, 600]),
     ([7, 1, 1, 3, 1], [30, 150, 20, 3, 64]),
     ([1, 9, 1], [33, 9, 1]),
 ]
@@ -31,7 +33,7 @@ def _dense_oracle(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 1)])
 @pytest.mark.parametrize("q_lens,seq_lens", BATCHES)
 def test_paged_attention_matches_dense(dtype, heads, q_lens, seq_lens) -> None:
@@ -48,9 +50,20 @@ def test_decode_rows_out_of_order_and_interleaved() -> None:
     """Decode tokens need not be contiguous in the flat batch."""
     gen = torch.Generator().manual_seed(3)
     q, k_cache, v_cache, meta = scattered_paged_batch([1, 4, 1, 2, 1], [50, 4, 7, 12, 2], 6, 2, 8, 4, torch.float32, gen)
-    assert meta.decode is not None and meta.decode.row_range is None
+    assert len(meta.decode_buckets) == 1
     expected = _dense_oracle(q, k_cache, v_cache, meta, 0.3)
     torch.testing.assert_close(kernels.paged_attention(q, k_cache, v_cache, meta, 0.3).double(), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_many_decode_sequences_span_several_buckets() -> None:
+    gen = torch.Generator().manual_seed(4)
+    seq_lens = torch.randint(1, 60, (30,), generator=gen).tolist()
+    q_lens = [1] * 30
+    q_lens[7] = seq_lens[7]  # one full prefill among them
+    q, k_cache, v_cache, meta = scattered_paged_batch(q_lens, seq_lens, 9, 3, 16, 4, torch.float32, gen)
+    assert len(meta.decode_buckets) > 1 and len(meta.prefills) == 1
+    expected = _dense_oracle(q, k_cache, v_cache, meta, 0.25)
+    torch.testing.assert_close(kernels.paged_attention(q, k_cache, v_cache, meta, 0.25).double(), expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("op", [kernels.store_kv, reference.store_kv])

@@ -8,7 +8,7 @@ import kernels
 from kernels import reference, tuning
 from tests.kernels.factories import lora_weights, popularity_slots
 
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-2, torch.bfloat16: 3e-2}
 PATTERNS = ["distinct", "uniform", "zipf", "identical", "skewed"]
 
 
@@ -40,7 +40,7 @@ def _case(pattern, num_tokens, dtype, slice_widths, ranks, seed, no_adapter=0.2,
     return y, x, lora_a, lora_b, slots, scales, offsets
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize("num_tokens", [1, 3, 7, 64])
 @pytest.mark.parametrize("sort", [False, True])
@@ -57,19 +57,30 @@ def test_add_lora_torch_matches_oracle(dtype, pattern, num_tokens, sort) -> None
             torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens,num_slots", [(40, 40), (64, 8), (5, 5)])
-def test_both_cpu_layouts_agree(monkeypatch, num_tokens, num_slots) -> None:
+def test_both_cpu_layouts_agree(monkeypatch, dtype, num_tokens, num_slots) -> None:
     """The segment loop and the gathered form (forced by the tuning thresholds) give the same y."""
     y, x, lora_a, lora_b, slots, scales, offsets = _case(
-        "distinct", num_tokens, torch.float32, [12], [4] * num_slots, seed=7, no_adapter=0.1
+        "distinct", num_tokens, dtype, [12, 4], [4] * num_slots, seed=7, no_adapter=0.1
     )
     meta = kernels.LoraBatchMeta.from_token_slots(slots)
     expected = _dense_oracle(y, x, lora_a, lora_b, slots, scales, offsets)
     for gathered in (False, True):
         monkeypatch.setattr(tuning, "use_gathered_lora", lambda *_: gathered)
         out = y.clone()
-        kernels.add_lora(out, x, lora_a, lora_b, meta, scales)
-        torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4)
+        kernels.add_lora(out, x, lora_a, lora_b, meta, scales, offsets)
+        torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_mixed_dtypes_bf16_activations_fp32_weights() -> None:
+    y, x, lora_a, lora_b, slots, scales, offsets = _case("zipf", 33, torch.bfloat16, [8, 8], [2, 4, 4], seed=2)
+    lora_a, lora_b = lora_a.float(), lora_b.float()
+    meta = kernels.LoraBatchMeta.from_token_slots(slots, [2, 4, 4])
+    out = y.clone()
+    kernels.add_lora(out, x, lora_a, lora_b, meta, scales, offsets)
+    expected = _dense_oracle(y, x, lora_a, lora_b, slots, scales, offsets)
+    torch.testing.assert_close(out.double(), expected, atol=3e-2, rtol=3e-2)
 
 
 def test_no_scales_and_no_adapter_tokens() -> None:

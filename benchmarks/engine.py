@@ -1,0 +1,124 @@
+"""Engine throughput against HF transformers (or PEFT, with adapters), measured in the same run.
+
+    python -m benchmarks.engine [--threads 1] [--num-requests 64] [--new-tokens 64] [--adapters N]
+
+64 requests of ~20-60 prompt tokens, 64 new tokens each, greedy, EOS ignored, on the embedded model,
+bf16. Without `--adapters`: ours against HF's batched `generate`. With `--adapters N`: the requests
+are spread over N random adapters (ranks 8-64; `--targets`, default PEFT's default for Llama, q_proj and
+v_proj; `all-linear` for every projection) and run against PEFT's mixed-
+adapter batched `generate` (`adapter_names=`), and against our own base-model run (LoRA overhead).
+Prints tokens per CPU-second and per wall second, ratios on CPU time, peak RSS; the last line is
+one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+from pathlib import Path
+
+import torch
+
+from benchmarks.peft_baseline import make_random_adapters, run_peft
+from benchmarks.timing import Timer, peak_rss_mib
+from lora_runtime import Engine, EngineConfig, SamplingParams
+from lora_runtime.config import SchedulerConfig
+from lora_runtime.embedded import default_cache_dir, ensure_embedded_model
+
+logger = logging.getLogger("benchmarks.engine")
+
+WORDS = (
+    "river mountain quiet engine lantern orbit velvet harbor signal meadow cipher falcon ember "
+    "glacier puzzle copper willow thunder atlas marble canyon lyric prism beacon tundra saffron"
+).split()
+
+
+def make_prompts(tokenizer, count: int, seed: int = 0) -> list[list[int]]:
+    """Deterministic prompts of 20-60 tokens each."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(count):
+        target = rng.randint(20, 60)
+        words = [rng.choice(WORDS) for _ in range(target)]
+        prompts.append(tokenizer("Tell a story about " + " ".join(words))["input_ids"][:target])
+    return prompts
+
+
+def run_ours(engine: Engine, prompts: list[list[int]], new_tokens: int, adapters=None) -> dict:
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos_token=True)
+    warm_up = [adapters[0]] * 2 if adapters else None
+    engine.generate(prompts[:2], SamplingParams(max_new_tokens=2), adapters=warm_up)
+    with Timer() as timer:
+        outputs = engine.generate(prompts, params, adapters=adapters)
+    assert all(o.error is None for o in outputs), [o.error for o in outputs if o.error]
+    return timer.report(sum(len(o.token_ids) for o in outputs))
+
+
+def run_hf(model_dir: Path, prompts: list[list[int]], new_tokens: int, dtype: torch.dtype, pad_id: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])  # left padding
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.inference_mode():
+        with Timer() as timer:
+            out = model.generate(
+                input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                do_sample=False, pad_token_id=pad_id,
+            )
+    return timer.report((out.shape[1] - width) * out.shape[0])
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--adapters", type=int, default=0, help="spread requests over N random adapters")
+    parser.add_argument("--targets", default="q_proj,v_proj", help="adapter target modules, or all-linear")
+    parser.add_argument("--skip-baseline", action="store_true", help="measure our engine only")
+    return parser.parse_args(argv)
+
+
+def _log(name: str, figures: dict) -> None:
+    logger.info("%s: %.1f tokens/CPU-s, %.1f tokens/s wall", name, figures["tokens_per_cpu_s"], figures["tokens_per_s"])
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.set_num_threads(args.threads)
+    model_dir = ensure_embedded_model()
+    engine = Engine.from_config(EngineConfig(scheduler=SchedulerConfig(max_num_seqs=args.num_requests)))
+    prompts = make_prompts(engine.tokenizer, args.num_requests)
+    pad_id = engine.tokenizer.eos_token_id
+    report: dict = {"threads": args.threads, "dtype": "bfloat16", "num_requests": args.num_requests,
+                    "new_tokens": args.new_tokens, "adapters": args.adapters, "targets": args.targets}
+    report["ours"] = ours = run_ours(engine, prompts, args.new_tokens)
+    _log("ours, base model", ours)
+    if args.adapters:
+        paths = make_random_adapters(model_dir, default_cache_dir() / "bench-adapters", args.adapters, args.targets)
+        adapter_of = [i % args.adapters for i in range(args.num_requests)]
+        report["ours_adapters"] = mixed = run_ours(engine, prompts, args.new_tokens, [str(paths[i]) for i in adapter_of])
+        report["lora_overhead"] = ours["tokens_per_cpu_s"] / mixed["tokens_per_cpu_s"] - 1
+        _log(f"ours, {args.adapters} adapters", mixed)
+        logger.info("LoRA overhead against our base model: %+.0f%%", 100 * report["lora_overhead"])
+        if not args.skip_baseline:
+            report["peft_generate"] = peft = run_peft(model_dir, paths, prompts, adapter_of, args.new_tokens, torch.bfloat16, pad_id)
+            report["ratio_vs_peft"] = mixed["tokens_per_cpu_s"] / peft["tokens_per_cpu_s"]
+            _log("PEFT mixed-adapter generate", peft)
+            logger.info("ours / PEFT = %.2fx (CPU time)", report["ratio_vs_peft"])
+    elif not args.skip_baseline:
+        report["hf_generate"] = hf = run_hf(model_dir, prompts, args.new_tokens, torch.bfloat16, pad_id)
+        report["ratio_vs_hf"] = ours["tokens_per_cpu_s"] / hf["tokens_per_cpu_s"]
+        _log(f"HF generate (batch {args.num_requests})", hf)
+        logger.info("ours / HF = %.2fx (CPU time)", report["ratio_vs_hf"])
+    report["peak_rss_mib"] = peak_rss_mib()
+    print(json.dumps(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()

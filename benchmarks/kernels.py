@@ -1,0 +1,259 @@
+"""Kernel benchmark: multi-adapter LoRA against two naive baselines, and paged attention.
+
+    python -m benchmarks.kernels [--threads 1] [--dtype float32] [--quick]
+
+LoRA: our `kernels.add_lora` against (a) a per-adapter Python loop (mask, gather, two matmuls,
+scatter) and (b) per-token gather of the weights + bmm, over hidden sizes, ranks, batch sizes and
+adapter counts with uniform and skewed popularity, and its overhead as a fraction of the base
+projection's matmul, measured as (base matmul then add_lora) / (base matmul alone) - 1, with
+the minimum over interleaved rounds of each (see `make_timer`). Tokens are sorted by adapter, as the engine does. On CUDA the timings use
+`triton.testing.do_bench`, on CPU with `time.perf_counter`. Prints a table and writes JSON
+and a PNG plot to benchmarks/results/."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+import kernels
+
+LOG = logging.getLogger("benchmarks.kernels")
+RESULTS_DIR = Path(__file__).parent / "results"
+# (hidden_in, out): SmolLM2-135M's MLP up projection and a 7B-class square projection.
+PROJECTIONS = [(576, 1536), (4096, 4096)]
+RANKS = [8, 16, 64]
+NUM_TOKENS = [1, 8, 64, 256]
+NUM_ADAPTERS = [1, 8, 64]
+POPULARITY = ["uniform", "skewed"]
+# The per-token gather baseline copies each token's weights; skip it past this many bytes.
+MAX_GATHER_BYTES = 256 * 2**20
+GOAL = {"hidden_in": 576, "num_tokens": 64, "num_adapters": 8, "max_rank": 16, "max_overhead": 0.15}
+
+
+@dataclass(frozen=True, slots=True)
+class LoraCase:
+    hidden_in: int
+    out: int
+    rank: int
+    num_tokens: int
+    num_adapters: int
+    popularity: str
+
+
+def lora_cases(quick: bool) -> list[LoraCase]:
+    projections = PROJECTIONS[:1] if quick else PROJECTIONS
+    ranks = [8, 16] if quick else RANKS
+    return [
+        LoraCase(hidden, out, rank, tokens, adapters, popularity)
+        for hidden, out in projections
+        for rank in ranks
+        for tokens in NUM_TOKENS
+        for adapters in NUM_ADAPTERS
+        for popularity in POPULARITY
+        if adapters <= max(tokens, 1) and not (popularity == "skewed" and adapters == 1)
+    ]
+
+
+Timings = dict[str, dict[str, float]]
+
+
+def make_timer(device: torch.device, seconds: float) -> Callable[[dict[str, Callable[[], object]]], Timings]:
+    """Times several functions, interleaved round by round, -> {name: {"min": s, "median": s}}.
+
+    On CUDA: triton.testing.do_bench per function. On CPU: perf_counter per call, >= 5 rounds and
+    about `seconds` per case. The machine this was written on is shared, and other jobs only ever add time:
+    the minimum is the stable figure, the median is kept to show the spread."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return lambda fns: {name: dict.fromkeys(("min", "median"), triton.testing.do_bench(fn) / 1e3) for name, fn in fns.items()}
+
+    def cpu_timer(fns: dict[str, Callable[[], object]]) -> Timings:
+        samples: dict[str, list[float]] = {name: [] for name in fns}
+        deadline = time.perf_counter() + seconds
+        while min(len(s) for s in samples.values()) < 5 or time.perf_counter() < deadline:
+            for name, fn in fns.items():
+                start = time.perf_counter()
+                fn()
+                samples[name].append(time.perf_counter() - start)
+        return {name: {"min": min(s[1:] or s), "median": statistics.median(s)} for name, s in samples.items()}
+
+    return cpu_timer
+
+
+def token_slots(case: LoraCase, gen: torch.Generator) -> torch.Tensor:
+    if case.popularity == "uniform":
+        slots = torch.randint(0, case.num_adapters, (case.num_tokens,), generator=gen)
+    else:  # skewed: half the tokens on adapter 0, the rest spread over the others
+        slots = torch.randint(1, case.num_adapters, (case.num_tokens,), generator=gen)
+        slots[torch.rand(case.num_tokens, generator=gen) < 0.5] = 0
+    return slots.sort().values
+
+
+def adapter_loop(y, x, lora_a, lora_b, slots, scales) -> None:
+    """Baseline (a): one masked gather / matmul / scatter per adapter in the pool."""
+    for slot in range(lora_a.shape[0]):
+        rows = torch.nonzero(slots == slot).flatten()
+        if rows.numel():
+            delta = (x.index_select(0, rows) @ lora_a[slot].T) @ lora_b[slot].T
+            y.index_add_(0, rows, delta * scales[slot])
+
+
+def gather_bmm(y, x, lora_a, lora_b, slots, scales) -> None:
+    """Baseline (b): gather every token's weights, two batched matmuls."""
+    shrunk = torch.bmm(lora_a.index_select(0, slots), x.unsqueeze(-1))  # [T, R, 1]
+    delta = torch.bmm(lora_b.index_select(0, slots), shrunk).squeeze(-1)  # [T, out]
+    y.add_(delta * scales.index_select(0, slots)[:, None])
+
+
+def bench_lora_case(case: LoraCase, dtype: torch.dtype, device: torch.device, timer) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    slots = token_slots(case, gen).to(device)
+    x = torch.randn(case.num_tokens, case.hidden_in, generator=gen).to(device, dtype)
+    weight = torch.randn(case.out, case.hidden_in, generator=gen).to(device, dtype) / case.hidden_in**0.5
+    lora_a = torch.randn(case.num_adapters, case.rank, case.hidden_in, generator=gen).to(device, dtype)
+    lora_b = torch.randn(case.num_adapters, case.out, case.rank, generator=gen).to(device, dtype)
+    scales = torch.full((case.num_adapters,), 0.5, device=device, dtype=dtype)
+    y = torch.zeros(case.num_tokens, case.out, device=device, dtype=dtype)
+    meta = kernels.LoraBatchMeta.from_token_slots(slots, [case.rank] * case.num_adapters)
+    linear = torch.nn.functional.linear
+    fns = {
+        "base": lambda: linear(x, weight),
+        "ours": lambda: kernels.add_lora(y, x, lora_a, lora_b, meta, scales),
+        # Right after the base matmul, as in the model: its weights push the adapters' out of cache.
+        "base_then_ours": lambda: kernels.add_lora(linear(x, weight), x, lora_a, lora_b, meta, scales),
+        "adapter_loop": lambda: adapter_loop(y, x, lora_a, lora_b, slots, scales),
+        "meta_build": lambda: kernels.LoraBatchMeta.from_token_slots(slots),
+    }
+    gather_bytes = case.num_tokens * case.rank * (case.hidden_in + case.out) * x.element_size()
+    if gather_bytes <= MAX_GATHER_BYTES:
+        fns["gather_bmm"] = lambda: gather_bmm(y, x, lora_a, lora_b, slots, scales)
+    timings = timer(fns)
+    row = dataclasses.asdict(case) | {"timings": timings}
+    row.update({f"{name}_s": t["min"] for name, t in timings.items()})
+    row.setdefault("gather_bmm_s", None)
+    row["overhead"] = row["base_then_ours_s"] / row["base_s"] - 1.0
+    row["lora_over_base"] = row["ours_s"] / row["base_s"]
+    return row
+
+
+def bench_attention(dtype: torch.dtype, device: torch.device, timer) -> list[dict]:
+    """The engine's common step: 64 decode sequences of 20-150 tokens, with and without two
+    prefill chunks; SmolLM2-135M heads (9 query / 3 KV, head_dim 64), block 16."""
+    gen = torch.Generator().manual_seed(0)
+    decode_lens = torch.randint(20, 151, (64,), generator=gen).tolist()
+    rows = []
+    for name, q_lens, seq_lens in [
+        ("decode64", [1] * 64, decode_lens),
+        ("decode64+prefill2", [1] * 64 + [256, 128], decode_lens + [256, 400]),
+    ]:
+        q, k_cache, v_cache, meta = _paged_batch(q_lens, seq_lens, dtype, device, gen)
+        build = lambda: kernels.PagedAttentionMeta.build(meta.query_start_loc, meta.seq_lens, meta.block_tables, 16)
+        timings = timer({"attention": lambda: kernels.paged_attention(q, k_cache, v_cache, meta, 0.125), "build": build})
+        step, build = timings["attention"]["min"], timings["build"]["min"]
+        rows.append({"case": name, "per_layer_s": step, "meta_build_s": build, "per_step_30_layers_s": 30 * step + build})
+    return rows
+
+
+def _paged_batch(q_lens, seq_lens, dtype, device, gen):
+    block_size, kv_heads, head_dim = 16, 3, 64
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    order = torch.randperm(sum(blocks_per_seq), generator=gen)
+    tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
+    used = 0
+    for b, count in enumerate(blocks_per_seq):
+        tables[b, :count] = order[used : used + count].to(torch.int32)
+        used += count
+    cache_shape = (sum(blocks_per_seq), block_size, kv_heads, head_dim)
+    k_cache = torch.randn(cache_shape, generator=gen).to(device, dtype)
+    v_cache = torch.randn(cache_shape, generator=gen).to(device, dtype)
+    q = torch.randn(sum(q_lens), 9, head_dim, generator=gen).to(device, dtype)
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    meta = kernels.PagedAttentionMeta.build(starts, torch.tensor(seq_lens, device=device), tables.to(device), block_size)
+    return q, k_cache, v_cache, meta
+
+
+def log_lora_table(rows: list[dict]) -> None:
+    LOG.info("%6s %5s %4s %6s %4s %8s | %9s %9s %9s %9s | %8s %8s", "hidden", "out", "rank", "tokens", "adap",
+             "popular", "base us", "ours us", "loop us", "gather us", "lora/base", "overhead")  # fmt: skip
+    for r in rows:
+        gather = f"{r['gather_bmm_s'] * 1e6:9.0f}" if r["gather_bmm_s"] is not None else f"{'-':>9}"
+        LOG.info("%6d %5d %4d %6d %4d %8s | %9.0f %9.0f %9.0f %s | %8.1f%% %7.1f%%", r["hidden_in"], r["out"],
+                 r["rank"], r["num_tokens"], r["num_adapters"], r["popularity"], r["base_s"] * 1e6, r["ours_s"] * 1e6,
+                 r["adapter_loop_s"] * 1e6, gather, 100 * r["lora_over_base"], 100 * r["overhead"])  # fmt: skip
+
+
+def goal_rows(rows: list[dict]) -> list[dict]:
+    return [
+        r for r in rows
+        if r["hidden_in"] == GOAL["hidden_in"] and r["num_tokens"] == GOAL["num_tokens"]
+        and r["num_adapters"] == GOAL["num_adapters"] and r["rank"] <= GOAL["max_rank"]
+    ]  # fmt: skip
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    selected = [r for r in rows if r["hidden_in"] == 576 and r["rank"] == 16 and r["popularity"] == "uniform"]
+    for adapters in NUM_ADAPTERS:
+        series = [r for r in selected if r["num_adapters"] == adapters]
+        tokens = [r["num_tokens"] for r in series]
+        axes[0].plot(tokens, [100 * r["overhead"] for r in series], marker="o", label=f"{adapters} adapters")
+        for key, style in (("ours_s", "-"), ("adapter_loop_s", "--"), ("gather_bmm_s", ":")):
+            points = [(r["num_tokens"], r[key] * 1e6) for r in series if r[key] is not None]
+            axes[1].plot(*zip(*points), style, marker=".", label=f"{key[:-2]}, {adapters} adapters")
+    axes[0].axhline(100 * GOAL["max_overhead"], color="grey", linestyle="--", label="goal")
+    axes[0].set(xscale="log", xlabel="tokens", ylabel="LoRA time / base matmul (%)", title="576 -> 1536, rank 16")
+    axes[1].set(xscale="log", yscale="log", xlabel="tokens", ylabel="us per call", title="ours vs baselines")
+    axes[0].legend()
+    axes[1].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--quick", action="store_true", help="576-wide projection and ranks 8, 16 only")
+    parser.add_argument("--seconds", type=float, default=0.5, help="CPU timing budget per case")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype)
+    timer = make_timer(device, args.seconds)
+    rows = [bench_lora_case(case, dtype, device, timer) for case in lora_cases(args.quick)]
+    log_lora_table(rows)
+    for r in goal_rows(rows):
+        verdict = "meets" if r["overhead"] <= GOAL["max_overhead"] else "misses"
+        LOG.info("goal (<= 15%%): rank %d %s: %.1f%% -> %s", r["rank"], r["popularity"], 100 * r["overhead"], verdict)
+    attention = bench_attention(dtype, device, timer)
+    for r in attention:
+        LOG.info("paged attention %-18s %8.0f us/layer  meta %6.0f us  30 layers %6.1f ms", r["case"],
+                 r["per_layer_s"] * 1e6, r["meta_build_s"] * 1e6, r["per_step_30_layers_s"] * 1e3)  # fmt: skip
+    RESULTS_DIR.mkdir(exist_ok=True)
+    stem = f"kernels_{device.type}_{args.dtype}_{args.threads}t{'_quick' if args.quick else ''}"
+    environment = {"torch": torch.__version__, "threads": args.threads, "dtype": args.dtype,
+                   "device": device.type, "cpu": platform.processor() or platform.machine()}  # fmt: skip
+    payload = {"environment": environment, "lora": rows, "attention": attention}
+    (RESULTS_DIR / f"{stem}.json").write_text(json.dumps(payload, indent=1))
+    plot(rows, RESULTS_DIR / f"{stem}.png")
+    LOG.info("wrote %s.json and %s.png in %s", stem, stem, RESULTS_DIR)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""An asyncio front for the engine: one engine-loop thread, commands in through a queue, each request's
+snapshots out through its own asyncio queue. Used by the HTTP server.
+
+The engine is not thread-safe; only the loop thread touches it. Model steps release the GIL inside
+torch, so the event loop keeps serving HTTP while a step runs.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from lora_runtime.core import RequestOutput, SamplingParams
+from lora_runtime.engine import Engine
+from lora_runtime.errors import EngineError, RequestAbortedError
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_steps: int
+    num_generated_tokens: int
+    num_finished_requests: int
+    num_preemptions: int
+    num_cached_adapters: int
+    num_pinned_adapters: int
+    adapter_cache_bytes: int
+
+
+class RequestStream:
+    """Async iterator over one request's `RequestOutput` snapshots; the last has `finished=True`.
+    Leaving early (`aclose`, `abort`, garbage) cancels the request in the engine."""
+
+    def __init__(self, request_id: str, engine: AsyncEngine) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+        self._done = False
+
+    def _push(self, item: RequestOutput | Exception) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, Exception):
+            self._done = True
+            raise item
+        if item.finished:
+            self._done = True
+        return item
+
+    async def abort(self) -> None:
+        if not self._done:
+            self._done = True
+            self._engine.abort(self.request_id)
+
+    async def aclose(self) -> None:
+        await self.abort()
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._streams: dict[str, RequestStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._num_steps = 0
+        self._num_generated_tokens = 0
+        self._num_finished = 0
+        self._last_step_error: Exception | None = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    async def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        adapter: object = None,
+        request_id: str | None = None,
+        api_token: str | None = None,
+    ) -> RequestStream:
+        """Load the request's adapter, then validate and queue: validation and adapter failures
+        raise EngineError subclasses here, before anything is streamed."""
+        adapters = self.engine.adapters
+        adapter_request = adapters.parse(adapter, api_token)
+        if adapter_request is not None:
+            # Hold the adapter loaded (one pin of our own) while the engine thread admits the request.
+            await asyncio.wrap_future(adapters.acquire(adapter_request))
+        future: concurrent.futures.Future[str] = concurrent.futures.Future()
+
+        def add() -> None:
+            try:
+                new_id = self.engine.add_request(prompt, params, adapter_request, request_id=request_id)
+            except Exception as error:  # handed to the caller, who maps it to a status
+                future.set_exception(error)
+                return
+            finally:
+                if adapter_request is not None:
+                    adapters.release(adapter_request.key)
+            self._streams[new_id] = RequestStream(new_id, self)
+            future.set_result(new_id)
+
+        self._commands.put(add)
+        return self._streams[await asyncio.wrap_future(future)]
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; safe from any thread, idempotent."""
+
+        def abort() -> None:
+            self._streams.pop(request_id, None)
+            self.engine.abort(request_id)
+
+        self._commands.put(abort)
+
+    def stats(self) -> EngineStats:
+        scheduler = self.engine.scheduler
+        cached = self.engine.adapters.cache.snapshot()  # (key, bytes, pins) per entry
+        return EngineStats(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_free_blocks=self.engine.kv_cache.num_free_blocks,
+            num_total_blocks=self.engine.kv_cache.num_blocks,
+            num_steps=self._num_steps,
+            num_generated_tokens=self._num_generated_tokens,
+            num_finished_requests=self._num_finished,
+            num_preemptions=scheduler.num_preemptions,
+            num_cached_adapters=len(cached),
+            num_pinned_adapters=sum(1 for _, _, pins in cached if pins),
+            adapter_cache_bytes=sum(num_bytes for _, num_bytes, _ in cached),
+        )
+
+    async def shutdown(self, deadline_s: float = 10.0) -> None:
+        """Let in-flight requests finish until the deadline, then cancel the rest and stop the loop."""
+        end = time.monotonic() + deadline_s
+        while self._streams and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        for request_id in list(self._streams):
+            self._fail_stream(request_id, RequestAbortedError("the server is shutting down"))
+            self.abort(request_id)
+        self._stopping.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 5.0)
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._drain_commands(block=not self.engine.has_unfinished_requests())
+            if self.engine.has_unfinished_requests():
+                self._step()
+        # Aborts queued by `shutdown` just before it set `_stopping` must still free their blocks.
+        self._drain_commands(block=False)
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            command()
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as error:  # a broken step fails its requests, never the loop
+            logger.exception("engine step failed; failing the running requests")
+            self._fail_running(error)
+            return
+        self._num_steps += 1
+        for output in outputs:
+            self._publish(output)
+
+    def _publish(self, output: RequestOutput) -> None:
+        stream = self._streams.get(output.request_id)
+        if output.finished:
+            self._num_finished += 1
+            self._num_generated_tokens += len(output.token_ids)
+            self._streams.pop(output.request_id, None)
+        if stream is not None and self._loop is not None:
+            # A request that failed inside the engine (its adapter did not load) raises in the stream.
+            item = output.error if output.error is not None else output
+            self._loop.call_soon_threadsafe(stream._push, item)
+
+    def _fail_running(self, error: Exception) -> None:
+        wrapped = RequestAbortedError(f"the engine failed while generating: {error}")
+        for request in list(self.engine.scheduler.running):
+            self._fail_stream(request.request_id, wrapped)
+            self.engine.abort(request.request_id)
+
+    def _fail_stream(self, request_id: str, error: EngineError) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(stream._push, error)

@@ -1,0 +1,306 @@
+"""The engine: the only module that wires model, KV cache, scheduler, runner and sampler together.
+
+Life of a step: the scheduler picks tokens -> the runner builds tensors and runs the model -> the
+sampler draws the next token of each request that reached its end -> each request's state updates
+its text and stop criteria -> finished requests leave the scheduler and free their blocks.
+"""
+from __future__ import annotations
+
+import itertools
+from concurrent.futures import Future
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from lora_runtime.adapters.manager import AdapterManager, SourceResolver
+from lora_runtime.adapters.weights import BaseModelShape
+from lora_runtime.best_of import BestOfGroup
+from lora_runtime.config import EngineConfig
+from lora_runtime.core import Request, RequestOutput, RequestStatus, SamplingParams
+from lora_runtime.embedded import EMBEDDED_MODEL_NAME, ensure_embedded_model
+from lora_runtime.errors import EngineError, ValidationError
+from lora_runtime.kv_cache import KVCacheManager
+from lora_runtime.loader import load_model
+from lora_runtime.model_runner import ModelRunner, ModelRunnerOutput
+from lora_runtime.models.llama import LlamaModel
+from lora_runtime.request_state import RequestState
+from lora_runtime.sampling.sampler import Sampler, TokenizerInfo
+from lora_runtime.scheduler import Scheduler, SchedulerOutput
+from lora_runtime.validation import prepare_prompt
+
+logger = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: LlamaModel,
+        tokenizer,
+        model_name: str,
+        adapter_sources: dict[str, SourceResolver] | None = None,
+    ) -> None:
+        self.config = config
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        self.model = model
+        num_blocks = _num_kv_blocks(config, model)
+        self.kv_cache = KVCacheManager(num_blocks, config.kv_cache.block_size_tokens)
+        base_shape = BaseModelShape(model_name, model.shape.num_layers, model.shape.module_dims())
+        # On CPU the LoRA segment matmuls are faster in fp32 whatever the model dtype (measured in
+        # kernels/tuning.py); elsewhere the adapters share the model's dtype.
+        lora_dtype = torch.float32 if config.device == "cpu" else model.dtype
+        self.adapters = AdapterManager(config.adapters, base_shape, lora_dtype, config.device, adapter_sources)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, is_adapter_ready=self.adapters.is_ready)
+        self.runner = ModelRunner(model, self.kv_cache, num_blocks, config.device)
+        self.sampler = Sampler()
+        self.tokenizer_info = TokenizerInfo(tokenizer, model.shape.vocab_size, _eos_token_ids(tokenizer, model_name))
+        self._states: dict[str, RequestState] = {}
+        self._group_of: dict[str, BestOfGroup] = {}  # candidate request id -> its best_of group
+        self._request_counter = itertools.count()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig | None = None, adapter_sources: dict[str, SourceResolver] | None = None) -> Engine:
+        """Load the configured model (the embedded one by default) and build the engine."""
+        from transformers import AutoTokenizer
+
+        config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        if config.model is None:
+            model_dir, model_name = ensure_embedded_model(config.cache_dir), EMBEDDED_MODEL_NAME
+        else:
+            model_dir = Path(config.model).expanduser()
+            model_name = model_dir.name.lower()
+        model = load_model(model_dir, config.dtype, config.device)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        return cls(config, model, tokenizer, model_name, adapter_sources)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model.shape.max_model_len
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        adapter: object = None,
+        request_id: str | None = None,
+        api_token: str | None = None,
+    ) -> str:
+        """Validate and queue a request; returns its id. Raises ValidationError for bad input.
+
+        `adapter`: None (base model), an adapter id (a local PEFT directory path works), an
+        `AdapterRef`, a `MergedAdapters` or an `AdapterRequest`. It loads in the background; other
+        requests keep running meanwhile, and a failed load fails this request only.
+        """
+        params = params or SamplingParams()
+        adapter_request = self.adapters.parse(adapter, api_token)
+        request_id = request_id or f"req-{next(self._request_counter)}"
+        if request_id in self._states:
+            raise ValidationError("request_id", f"{request_id!r} is already in use")
+        adapter_load = self.adapters.acquire(adapter_request) if adapter_request is not None else None
+        try:
+            chat_template = self._chat_template(params, adapter_request, adapter_load)
+            prompt_text, token_ids = prepare_prompt(prompt, params, self, chat_template)
+            request = Request(request_id=request_id, prompt_token_ids=token_ids, params=params)
+            state = RequestState(request, prompt_text, self.tokenizer_info)
+        except BaseException:
+            if adapter_request is not None:
+                self.adapters.release_when_loaded(adapter_request.key, adapter_load)
+            raise
+        request.adapter_key = adapter_request.key if adapter_request is not None else None
+        self._states[request_id] = state
+        if params.best_of > 1:
+            self._group_of[request_id] = BestOfGroup(state)
+        self.scheduler.add_request(request)
+        return request_id
+
+    def _chat_template(self, params: SamplingParams, adapter_request, adapter_load: Future | None) -> str | None:
+        """The adapter's own chat template for apply_chat_template: this waits for the adapter to
+        load (AsyncEngine loads it before calling add_request, so the server never waits here)."""
+        if not params.apply_chat_template or adapter_load is None:
+            return None
+        adapter_load.result()  # raises the adapter's typed error
+        return self.adapters.chat_template(adapter_request.key)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (all its best_of candidates) wherever it is; its KV blocks are freed at
+        once. Unknown ids are ignored."""
+        group = self._group_of.get(request_id)
+        candidates = [c.request_id for c in group.candidates] if group is not None else [request_id]
+        for candidate_id in candidates:
+            self._group_of.pop(candidate_id, None)
+            state = self._states.get(candidate_id)
+            if state is not None:
+                self._finish(state, RequestStatus.ABORTED)
+
+    def _finish(self, state: RequestState, status: RequestStatus = RequestStatus.FINISHED) -> None:
+        """Take the request out of the scheduler (its blocks return at once) and unpin its adapter."""
+        self.scheduler.finish(state.request, status)
+        self._states.pop(state.request_id, None)
+        if state.request.adapter_key:
+            self.adapters.release(state.request.adapter_key)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; returns a snapshot of every request that made progress (or failed)."""
+        failed = self._fail_requests_with_failed_adapters()
+        output = self.scheduler.schedule()
+        if output.is_empty:
+            return failed
+        runner_output = self.runner.execute(output, lora=self._lora_for_step(output))
+        self.scheduler.update_after_step(output)
+        self._record_prompt_logprobs(runner_output)
+        return failed + self._sample_and_update(runner_output)
+
+    def _fail_requests_with_failed_adapters(self) -> list[RequestOutput]:
+        failed = []
+        for request in list(self.scheduler.waiting):
+            error = self.adapters.failure(request.adapter_key) if request.adapter_key else None
+            if error is not None:
+                state = self._states[request.request_id]
+                state.fail(error if isinstance(error, EngineError) else EngineError(str(error)))
+                self._finish(state, RequestStatus.ABORTED)
+                failed.append(state.snapshot())
+        return failed
+
+    def _lora_for_step(self, output: SchedulerOutput):
+        """Per-token adapter slots of the step (-1 = base model), or None when no token has one."""
+        keys = output.adapter_keys
+        if not keys:
+            return None
+        slot_of = self.adapters.assign_slots(keys)
+        token_slots = [
+            slot_of[item.request.adapter_key] if item.request.adapter_key else -1
+            for item in output.scheduled
+            for _ in range(item.num_new_tokens)
+        ]
+        slots = torch.tensor(token_slots, dtype=torch.int64, device=self.config.device)
+        return self.adapters.lora_batch(slots, set(slot_of.values()))
+
+    def _record_prompt_logprobs(self, runner_output: ModelRunnerOutput) -> None:
+        logits = runner_output.logits
+        for request, first_position, first_row, num_rows in runner_output.rows.prompt_rows:
+            # Row first_row + i scores prompt token first_position + 1 + i.
+            targets = torch.tensor(request.prompt_token_ids[first_position + 1 : first_position + 1 + num_rows])
+            rows = torch.log_softmax(logits[first_row : first_row + num_rows], dim=-1)
+            values = rows.gather(1, targets.to(rows.device)[:, None])[:, 0].tolist()
+            self._states[request.request_id].record_prompt_logprobs(first_position, values)
+
+    def _sample_and_update(self, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
+        rows = runner_output.rows
+        states = [self._states[request.request_id] for request in rows.sample_requests]
+        logits = runner_output.logits
+        if rows.sample_rows != tuple(range(logits.shape[0])):  # prompt rows are mixed in
+            logits = logits[list(rows.sample_rows)]
+        result = self.sampler.sample(logits, [state.sampling for state in states])
+        outputs = []
+        for row, (state, token_id, logprob) in enumerate(zip(states, result.token_ids, result.logprobs)):
+            outputs.extend(self._append_token(state, token_id, logprob))
+            group = self._group_of.get(state.request_id)
+            if group is not None and group.needs_fork:
+                outputs.extend(self._fork_candidates(group, logits[row]))
+        return outputs
+
+    def _append_token(self, state: RequestState, token_id: int, logprob: float) -> list[RequestOutput]:
+        """Add the token; finish the request if it stopped; return what callers should see now."""
+        state.append_token(token_id, logprob)
+        if state.is_finished:
+            self._finish(state)
+        group = self._group_of.get(state.request_id)
+        if group is None:
+            return [state.snapshot()]
+        if state.is_finished and group.mark_finished(state):
+            for candidate in group.candidates:
+                self._group_of.pop(candidate.request_id, None)
+            return [group.result()]
+        return []  # best_of results are reported whole, once every candidate has finished
+
+    def _fork_candidates(self, group: BestOfGroup, logits_row: torch.Tensor) -> list[RequestOutput]:
+        """Start candidates 1..n-1 from the first one's computed prompt and its first-token logits."""
+        first = group.candidates[0]
+        children = []
+        for index in range(1, group.num_candidates):
+            request = Request(group.candidate_id(index), first.request.prompt_token_ids, first.request.params,
+                              adapter_key=first.request.adapter_key)
+            child = RequestState(request, first.prompt, self.tokenizer_info, candidate_index=index)
+            self._states[request.request_id] = child
+            self._group_of[request.request_id] = group
+            group.add(child)
+            if request.adapter_key:
+                self.adapters.pin(request.adapter_key)
+            children.append(child)
+        logits = logits_row.unsqueeze(0).expand(len(children), -1)
+        result = self.sampler.sample(logits, [child.sampling for child in children])
+        outputs = []
+        for child, token_id, logprob in zip(children, result.token_ids, result.logprobs):
+            self._share_prompt_cache(first.request, child.request)
+            outputs.extend(self._append_token(child, token_id, logprob))
+        return outputs
+
+    def _share_prompt_cache(self, parent: Request, child: Request) -> None:
+        """Give the child the parent's prompt K/V: full blocks shared, the partial last one copied.
+        Without a free block for the copy, the child recomputes its prompt instead."""
+        num_prompt = parent.num_prompt_tokens
+        self.kv_cache.fork(parent.request_id, child.request_id, num_prompt)
+        if self.kv_cache.allocate_slots(child.request_id, num_prompt):
+            partial_idx = num_prompt // self.kv_cache.block_size_tokens
+            if num_prompt % self.kv_cache.block_size_tokens:
+                parent_block = self.kv_cache.block_table(parent.request_id)[partial_idx]
+                self.runner.copy_block(parent_block, self.kv_cache.block_table(child.request_id)[partial_idx])
+            child.num_computed_tokens = num_prompt
+            self.scheduler.add_running(child)
+        else:
+            self.kv_cache.free(child.request_id)
+            self.scheduler.add_request(child)
+
+    def generate(
+        self,
+        prompts: Sequence[str | list[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        adapters: Sequence[object] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion together; outputs in prompt order. A request whose adapter
+        failed to load comes back with `error` set and no tokens; the others are unaffected."""
+        param_list = _broadcast_params(params, len(prompts))
+        adapter_list = list(adapters) if adapters is not None else [None] * len(prompts)
+        if len(adapter_list) != len(prompts):
+            raise ValidationError("adapters", f"expected {len(prompts)} entries, got {len(adapter_list)}")
+        ids = [self.add_request(prompt, p, adapter) for prompt, p, adapter in zip(prompts, param_list, adapter_list)]
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for output in self.step():
+                if output.finished:
+                    final[output.request_id] = output
+        return [final[request_id] for request_id in ids]
+
+
+def _broadcast_params(params, count: int) -> list[SamplingParams]:
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValidationError("params", f"expected one SamplingParams or {count}, got {len(params)}")
+    return params
+
+
+def _eos_token_ids(tokenizer, model_name: str) -> list[int]:
+    if tokenizer.eos_token_id is None:
+        raise ValidationError("model", f"{model_name}: the tokenizer defines no EOS token")
+    return [tokenizer.eos_token_id]
+
+
+def _num_kv_blocks(config: EngineConfig, model: LlamaModel) -> int:
+    if config.kv_cache.num_blocks is not None:
+        return config.kv_cache.num_blocks
+    shape = model.shape
+    bytes_per_block = (
+        2 * shape.num_layers * config.kv_cache.block_size_tokens * shape.num_kv_heads * shape.head_dim
+        * model.dtype.itemsize
+    )
+    return max(1, config.kv_cache.memory_bytes // bytes_per_block)

@@ -1,0 +1,1 @@
+"""Building blocks of the model: normalisation, rotary embeddings, attention over the paged cache."""

@@ -1,0 +1,112 @@
+"""Turns a `SchedulerOutput` into the step's tensors, runs the model, and returns the logits rows.
+It makes no policy decisions: which tokens run was decided by the scheduler."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import kernels
+from lora_runtime.core import Request
+from lora_runtime.forward_batch import ForwardBatch, LoraBatch
+from lora_runtime.kv_cache import KVCacheManager
+from lora_runtime.models.llama import KVCacheTensors, LlamaModel
+from lora_runtime.scheduler import SchedulerOutput
+
+
+@dataclass(frozen=True, slots=True)
+class LogitsRows:
+    """Which logits row belongs to what: a next-token row per sampling request, and for requests
+    asking for prompt logprobs, the rows of their prompt positions in this chunk."""
+
+    sample_requests: tuple[Request, ...]
+    sample_rows: tuple[int, ...]
+    prompt_rows: tuple[tuple[Request, int, int, int], ...]  # (request, first position, first row, rows)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRunnerOutput:
+    logits: torch.Tensor  # [num_rows, vocab] float32
+    rows: LogitsRows
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv_cache: KVCacheManager, num_blocks: int, device: str) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+        self.block_size = kv_cache.block_size_tokens
+        self.cache_tensors = KVCacheTensors.allocate(model.shape, num_blocks, self.block_size, model.dtype, device)
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput, lora: LoraBatch | None) -> ModelRunnerOutput:
+        batch, rows = self.prepare(output, lora)
+        return ModelRunnerOutput(logits=self.model.forward(batch, self.cache_tensors), rows=rows)
+
+    def prepare(self, output: SchedulerOutput, lora: LoraBatch | None) -> tuple[ForwardBatch, LogitsRows]:
+        step = _StepInputs(self.block_size)
+        for item in output.scheduled:
+            step.add(item.request, item.num_computed_tokens, item.num_new_tokens, item.samples_next_token,
+                     self.kv_cache.block_table(item.request.request_id))
+        batch = ForwardBatch(
+            input_ids=self._tensor(step.input_ids),
+            positions=self._tensor(step.positions),
+            slot_mapping=self._tensor(step.slots),
+            attention=kernels.PagedAttentionMeta.build(
+                self._tensor(step.query_start), self._tensor(step.seq_lens), self._block_tables(step.tables),
+                self.block_size,
+            ),
+            logits_indices=self._tensor(step.logits_indices),
+            lora=lora,
+        )
+        return batch, LogitsRows(tuple(step.sample_requests), tuple(step.sample_rows), tuple(step.prompt_rows))
+
+    def copy_block(self, source_block: int, target_block: int) -> None:
+        """Copy one KV block's contents, in every layer (best_of forks copy a partial block)."""
+        for cache in (*self.cache_tensors.key, *self.cache_tensors.value):
+            cache[target_block].copy_(cache[source_block])
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+    def _block_tables(self, tables: list[list[int]]) -> torch.Tensor:
+        width = max(len(table) for table in tables)
+        padded = [table + [0] * (width - len(table)) for table in tables]
+        return torch.tensor(padded, dtype=torch.int32, device=self.device)
+
+
+class _StepInputs:
+    """Python-side lists of one step's inputs, filled request by request, turned into tensors once."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.input_ids: list[int] = []
+        self.positions: list[int] = []
+        self.slots: list[int] = []
+        self.query_start = [0]
+        self.seq_lens: list[int] = []
+        self.tables: list[list[int]] = []
+        self.logits_indices: list[int] = []
+        self.sample_requests: list[Request] = []
+        self.sample_rows: list[int] = []
+        self.prompt_rows: list[tuple[Request, int, int, int]] = []
+
+    def add(self, request: Request, start: int, count: int, samples: bool, table: list[int]) -> None:
+        """Tokens start..start+count-1 of `request`, whose blocks are `table`."""
+        first_token = len(self.input_ids)
+        self.input_ids.extend(request.all_token_ids[start : start + count])
+        self.positions.extend(range(start, start + count))
+        size = self.block_size
+        self.slots.extend(table[p // size] * size + p % size for p in range(start, start + count))
+        self.query_start.append(len(self.input_ids))
+        self.seq_lens.append(start + count)
+        self.tables.append(table)
+        # Logits at prompt positions t score prompt token t + 1 (decoder_input_details).
+        num_prompt_rows = min(start + count, request.num_prompt_tokens - 1) - start
+        if request.params.decoder_input_details and num_prompt_rows > 0:
+            self.prompt_rows.append((request, start, len(self.logits_indices), num_prompt_rows))
+            self.logits_indices.extend(range(first_token, first_token + num_prompt_rows))
+        if samples:
+            self.sample_requests.append(request)
+            self.sample_rows.append(len(self.logits_indices))
+            self.logits_indices.append(len(self.input_ids) - 1)

@@ -1,0 +1,83 @@
+"""What the engine keeps for each request beside the scheduler's `Request`: sampling state, text,
+token details, stop criteria and timings; it builds the `RequestOutput` snapshots."""
+from __future__ import annotations
+
+import time
+
+from lora_runtime.core import PrefillToken, Request, RequestOutput, RequestTimes, TokenInfo
+from lora_runtime.detokenizer import IncrementalDetokenizer
+from lora_runtime.sampling.sampler import SamplingState, TokenizerInfo
+from lora_runtime.sampling.stop import StopCriteria
+
+
+class RequestState:
+    def __init__(self, request: Request, prompt: str | None, info: TokenizerInfo, candidate_index: int = 0) -> None:
+        self.request = request
+        self.prompt = prompt
+        self.tokenizer_info = info
+        self.sampling = SamplingState(request.params, request.prompt_token_ids, info, candidate_index)
+        self.candidate_index = candidate_index
+        self.detokenizer = IncrementalDetokenizer(info.tokenizer, request.prompt_token_ids)
+        self.stop = StopCriteria(request.params, info.eos_token_ids)
+        self.tokens: list[TokenInfo] = []
+        self.prompt_logprobs: list[float | None] = [None] * request.num_prompt_tokens
+        self.finish_reason = None
+        self.error: Exception | None = None
+        self.times = RequestTimes(arrival=time.monotonic())
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    def record_prompt_logprobs(self, first_position: int, logprobs: list[float]) -> None:
+        """Logprobs of prompt tokens first_position + 1 ... (recomputation after preemption rewrites
+        the same values)."""
+        for offset, value in enumerate(logprobs):
+            self.prompt_logprobs[first_position + 1 + offset] = value
+
+    def append_token(self, token_id: int, logprob: float) -> None:
+        """Add a generated token: detokenize it, check the stop criteria, update sampling state."""
+        now = time.monotonic()
+        if self.times.first_token is None:
+            self.times.first_token = now
+        self.request.output_token_ids.append(token_id)
+        self.sampling.accept(token_id)
+        piece = self.detokenizer.add_token(token_id)
+        special = self.detokenizer.is_special(token_id)
+        self.tokens.append(TokenInfo(token_id, self.detokenizer.token_text(token_id), logprob, special))
+        self.finish_reason = self.stop.check(token_id, piece)
+        if self.finish_reason is not None:
+            self.detokenizer.flush()
+            self.times.finished = now
+
+    def fail(self, error: Exception) -> None:
+        self.error = error
+        self.times.finished = time.monotonic()
+
+    def snapshot(self) -> RequestOutput:
+        request = self.request
+        tokenizer = self.tokenizer_info.tokenizer
+        prefill = []
+        if request.params.decoder_input_details:
+            prefill = [
+                PrefillToken(token_id, tokenizer.decode([token_id]), logprob)
+                for token_id, logprob in zip(request.prompt_token_ids, self.prompt_logprobs)
+            ]
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=list(request.prompt_token_ids),
+            token_ids=list(request.output_token_ids),
+            text=self.detokenizer.text,
+            finished=self.is_finished,
+            finish_reason=self.finish_reason,
+            tokens=list(self.tokens),
+            prefill=prefill,
+            seed=self.sampling.seed,
+            times=self.times,
+            error=self.error,
+        )

@@ -1,0 +1,185 @@
+"""The logits chain, batched over rows that each carry their own parameters.
+
+Order (TGI's, SEMANTICS.md): watermark, repetition penalty, schema mask, temperature, top_k, top_p,
+typical_p. Each step is one vectorised call over the rows that need it (per-row parameter tensors);
+rows that need nothing are never touched, so an all-greedy batch with no penalties costs only the
+Python loop that finds out there is nothing to do.
+
+Every warper reproduces the arithmetic of the transformers processor of the same name for one row,
+so those processors are the oracles (tests/sampling/test_processors.py).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lora_runtime.sampling.watermark import WATERMARK_DELTA, WATERMARK_GAMMA, add_watermark_bias
+
+FILTERED = float("-inf")
+
+
+@dataclass(frozen=True, slots=True)
+class RowSettings:
+    """What the chain does to one row this step; the neutral values leave the row untouched.
+
+    The warper fields (temperature .. typical_p) are only set for rows that sample: a greedy row's
+    argmax does not depend on them.
+    """
+
+    watermark_previous_token_id: int | None = None
+    repetition_penalty: float | None = None
+    penalty_token_ids: torch.Tensor | None = None  # [num_distinct_ids] int64, CPU
+    allowed_tokens: torch.Tensor | None = None  # [vocab] bool, CPU; False = masked out
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    typical_p: float | None = None
+
+    @property
+    def is_identity(self) -> bool:
+        return (
+            self.watermark_previous_token_id is None
+            and self.repetition_penalty is None
+            and self.allowed_tokens is None
+            and self.temperature is None
+            and self.top_k is None
+            and self.top_p is None
+            and self.typical_p is None
+        )
+
+
+def apply_logits_chain(scores: torch.Tensor, rows: Sequence[RowSettings]) -> torch.Tensor:
+    """Process fp32 `scores` [num_rows, vocab] row by row with `rows[i]`; returns a new tensor.
+
+    Returns `scores` itself (not a copy) when every row is the identity.
+    """
+    assert scores.dim() == 2 and scores.shape[0] == len(rows), "one RowSettings per row"
+    if all(row.is_identity for row in rows):
+        return scores
+    scores = scores.clone()
+    _watermark_rows(scores, rows)
+    _penalty_rows(scores, rows)
+    _mask_rows(scores, rows)
+    _warp_rows(scores, rows, "temperature", lambda v: v != 1.0, apply_temperature)
+    _warp_rows(scores, rows, "top_k", lambda v: v > 0, apply_top_k)
+    _warp_rows(scores, rows, "top_p", lambda v: v < 1.0, apply_top_p)
+    _warp_rows(scores, rows, "typical_p", lambda v: v < 1.0, apply_typical_p)
+    return scores
+
+
+def apply_repetition_penalty(
+    scores: torch.Tensor, token_ids: Sequence[torch.Tensor], penalties: Sequence[float]
+) -> torch.Tensor:
+    """Penalise, in row i, the ids in `token_ids[i]`: divide a positive logit by the penalty,
+    multiply a negative one. `scores` [num_rows, vocab]; ids outside the vocab are ignored."""
+    vocab_size = scores.shape[1]
+    row_idx = torch.cat([torch.full((len(ids),), i) for i, ids in enumerate(token_ids)])
+    flat_ids = torch.cat(list(token_ids))
+    inside = flat_ids < vocab_size
+    seen = torch.zeros(scores.shape, dtype=torch.bool)
+    seen[row_idx[inside], flat_ids[inside]] = True
+    penalty = torch.tensor(penalties, dtype=scores.dtype, device=scores.device)[:, None]  # [num_rows, 1]
+    penalised = torch.where(scores < 0, scores * penalty, scores / penalty)
+    return torch.where(seen.to(scores.device), penalised, scores)
+
+
+# Below this a temperature only sharpens the distribution to its argmax, but dividing by it can
+# overflow fp32 logits to inf (and NaN probabilities): the limit T -> 0 is greedy, and at 1e-4 a
+# logit gap of 0.01 already gives a ratio of e^100.
+MIN_TEMPERATURE = 1e-4
+
+
+def apply_temperature(scores: torch.Tensor, temperatures: Sequence[float]) -> torch.Tensor:
+    """Divide row i by `temperatures[i]` (> 0), at least MIN_TEMPERATURE."""
+    return scores / _column([max(t, MIN_TEMPERATURE) for t in temperatures], scores)
+
+
+def apply_top_k(scores: torch.Tensor, top_k: Sequence[int]) -> torch.Tensor:
+    """Keep in row i the values >= its `top_k[i]`-th largest (ties may keep more than k)."""
+    ks = [min(k, scores.shape[1]) for k in top_k]
+    top_values = torch.topk(scores, max(ks)).values  # [num_rows, max_k], descending
+    kth_idx = torch.tensor(ks, device=scores.device)[:, None] - 1  # [num_rows, 1]
+    kth_value = top_values.gather(1, kth_idx)  # [num_rows, 1]
+    return scores.masked_fill(scores < kth_value, FILTERED)
+
+
+def apply_top_p(scores: torch.Tensor, top_p: Sequence[float]) -> torch.Tensor:
+    """Keep in row i the smallest set of most likely tokens whose probability reaches `top_p[i]`."""
+    sorted_logits, sorted_idx = torch.sort(scores, descending=False)
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [num_rows, vocab]
+    # 1 - p in double then fp32, as the oracle's scalar comparison does.
+    remove_sorted = cumulative <= _column([1.0 - p for p in top_p], scores)
+    remove_sorted[:, -1] = False  # always keep the most likely token
+    remove = remove_sorted.scatter(1, sorted_idx, remove_sorted)
+    return scores.masked_fill(remove, FILTERED)
+
+
+def apply_typical_p(scores: torch.Tensor, typical_p: Sequence[float]) -> torch.Tensor:
+    """Locally typical sampling: keep in row i the tokens whose surprisal is closest to the row's
+    entropy, until their probability mass reaches `typical_p[i]`."""
+    log_probs = torch.log_softmax(scores, dim=-1)
+    entropy = -(log_probs * log_probs.exp()).nansum(-1, keepdim=True)  # [num_rows, 1]
+    shifted = torch.abs(-log_probs - entropy)
+    sorted_shifted, sorted_idx = torch.sort(shifted, descending=False)
+    cumulative = scores.gather(-1, sorted_idx).softmax(dim=-1).cumsum(dim=-1)
+    last_kept = (cumulative < _column(typical_p, scores)).sum(dim=1)
+    last_kept.clamp_(max=scores.shape[1] - 1)
+    remove_sorted = sorted_shifted > sorted_shifted.gather(1, last_kept[:, None])
+    remove_sorted[:, 0] = False  # always keep the most typical token
+    remove = remove_sorted.scatter(1, sorted_idx, remove_sorted)
+    return scores.masked_fill(remove, FILTERED)
+
+
+def apply_token_mask(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Set to -inf every token where `allowed` [num_rows, vocab] is False."""
+    return scores.masked_fill(~allowed.to(scores.device), FILTERED)
+
+
+def _column(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=like.dtype, device=like.device)[:, None]  # [num_rows, 1]
+
+
+def _update_rows(scores: torch.Tensor, row_idx: list[int], fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """scores[row_idx] = fn(scores[row_idx]), skipping the gather when every row takes part."""
+    if len(row_idx) == scores.shape[0]:
+        scores.copy_(fn(scores))
+        return
+    index = torch.tensor(row_idx, device=scores.device)
+    scores[index] = fn(scores.index_select(0, index))
+
+
+def _watermark_rows(scores: torch.Tensor, rows: Sequence[RowSettings]) -> None:
+    for i, row in enumerate(rows):
+        if row.watermark_previous_token_id is not None:
+            add_watermark_bias(scores[i], row.watermark_previous_token_id, WATERMARK_GAMMA, WATERMARK_DELTA)
+
+
+def _penalty_rows(scores: torch.Tensor, rows: Sequence[RowSettings]) -> None:
+    picked = [i for i, row in enumerate(rows) if row.repetition_penalty not in (None, 1.0)]
+    if picked:
+        ids = [rows[i].penalty_token_ids for i in picked]
+        penalties = [rows[i].repetition_penalty for i in picked]
+        _update_rows(scores, picked, lambda sub: apply_repetition_penalty(sub, ids, penalties))
+
+
+def _mask_rows(scores: torch.Tensor, rows: Sequence[RowSettings]) -> None:
+    picked = [i for i, row in enumerate(rows) if row.allowed_tokens is not None]
+    if picked:
+        allowed = torch.stack([rows[i].allowed_tokens for i in picked])  # [num_picked, vocab]
+        _update_rows(scores, picked, lambda sub: apply_token_mask(sub, allowed))
+
+
+def _warp_rows(
+    scores: torch.Tensor,
+    rows: Sequence[RowSettings],
+    name: str,
+    is_active: Callable[[float], bool],
+    warp: Callable[[torch.Tensor, list], torch.Tensor],
+) -> None:
+    """Apply one warper to the rows whose parameter `name` is set and not neutral."""
+    picked = [i for i, row in enumerate(rows) if (v := getattr(row, name)) is not None and is_active(v)]
+    if picked:
+        values = [getattr(rows[i], name) for i in picked]
+        _update_rows(scores, picked, lambda sub: warp(sub, values))

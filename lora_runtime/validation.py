@@ -1,0 +1,66 @@
+"""Request checks that need the model or the engine's limits (field ranges are checked by
+`SamplingParams` itself). Library callers get the same errors as HTTP callers."""
+from __future__ import annotations
+
+from lora_runtime.core import SamplingParams
+from lora_runtime.errors import ValidationError
+from lora_runtime.sampling.chat import render_chat_prompt
+
+
+def prepare_prompt(
+    prompt: str | list[int], params: SamplingParams, engine, chat_template: str | None = None
+) -> tuple[str | None, list[int]]:
+    """Render the chat template if asked, tokenize (or take) the prompt, apply `truncate`, and check
+    lengths and limits. `chat_template` is the adapter's own, else the base model's is used.
+
+    Returns (prompt text or None, prompt token ids after truncation).
+    """
+    check_limits(params, engine.config.limits)
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValidationError("inputs", "must not be empty")
+        if params.apply_chat_template:
+            # The rendered template already holds the special tokens: do not add them again.
+            prompt_text = render_chat_prompt(prompt, engine.tokenizer, chat_template)
+            token_ids = engine.tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+        else:
+            prompt_text, token_ids = prompt, engine.tokenizer(prompt)["input_ids"]
+    else:
+        if params.apply_chat_template:
+            raise ValidationError("apply_chat_template", "needs text inputs, not token ids")
+        prompt_text, token_ids = None, [int(t) for t in prompt]
+    vocab_size = engine.model.shape.vocab_size
+    if any(not 0 <= t < vocab_size for t in token_ids):
+        raise ValidationError("inputs", f"token ids must be in [0, {vocab_size})")
+    if not token_ids:
+        raise ValidationError("inputs", "must contain at least one token")
+    if params.truncate is not None:
+        token_ids = token_ids[-params.truncate :]
+    check_lengths(len(token_ids), params, engine)
+    return prompt_text, list(token_ids)
+
+
+def check_limits(params: SamplingParams, limits) -> None:
+    if len(params.stop) > limits.max_stop_sequences:
+        raise ValidationError("stop", f"at most {limits.max_stop_sequences} stop sequences")
+    if params.best_of > limits.max_best_of:
+        raise ValidationError("best_of", f"must be <= {limits.max_best_of}")
+
+
+def check_lengths(num_prompt_tokens: int, params: SamplingParams, engine) -> None:
+    max_len = engine.max_model_len
+    max_input = engine.config.limits.max_input_length or max_len - 1
+    if params.truncate is not None and params.truncate > max_input:
+        raise ValidationError("truncate", f"must be <= {max_input}")
+    if num_prompt_tokens > max_input:
+        raise ValidationError("inputs", f"{num_prompt_tokens} prompt tokens; at most {max_input} are accepted")
+    total = num_prompt_tokens + params.max_new_tokens
+    if total > max_len:
+        raise ValidationError(
+            "max_new_tokens",
+            f"prompt tokens + max_new_tokens must be <= {max_len}; given {num_prompt_tokens} + {params.max_new_tokens}",
+        )
+    kv = engine.kv_cache
+    needed = -(-total * params.best_of // kv.block_size_tokens)
+    if needed > kv.num_blocks:
+        raise ValidationError("max_new_tokens", f"the request needs {needed} KV blocks; the cache holds {kv.num_blocks}")

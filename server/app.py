@@ -1,0 +1,122 @@
+"""The FastAPI application: routes, error shape, OpenAPI document, and the engine's lifetime
+(started with the app, drained and stopped with it), plus the uvicorn server that drains first."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from lora_runtime import AsyncEngine
+from server.bridge import Admission
+from server.config import ServerConfig
+from server.db import Database
+from server.errors import install_error_handlers
+from server.metrics import ServerMetrics
+from server.protocol import (CompatRequest, ErrorResponse, GenerateRequest, GenerateResponse,
+                             StreamResponse)
+from server.routes import control, inference, service
+from server.state import ServerState
+
+logger = logging.getLogger(__name__)
+# Seconds uvicorn waits past the drain deadline, for the aborted requests' answers to go out.
+_GRACE_MARGIN_S = 3
+
+
+def create_app(config: ServerConfig, engine, database: Database) -> FastAPI:
+    """The app serving `engine` (a `lora_runtime.Engine`); its lifespan runs one `AsyncEngine`."""
+    admission = Admission(config.max_in_flight, config.retry_after_s)
+    state = ServerState(config=config, database=database, engine=engine, admission=admission,
+                        metrics=None)
+    state.metrics = ServerMetrics(lambda: state.async_engine and state.async_engine.stats(),
+                                  lambda: admission.num_in_flight)
+    app = FastAPI(title="LoRA serving", version="0.1.0", lifespan=_lifespan)
+    app.state.server = state
+    install_error_handlers(app)
+    app.include_router(inference.router)
+    app.include_router(service.router)
+    app.include_router(control.router)
+    app.openapi = lambda: _openapi(app)
+    return app
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    state: ServerState = app.state.server
+    async_engine = AsyncEngine(state.engine)
+    await async_engine.start()
+    state.async_engine = async_engine
+    state.loop = asyncio.get_running_loop()
+    try:
+        yield
+    finally:
+        await _drain(state)
+        await async_engine.shutdown(0.0)
+
+
+async def _drain(state: ServerState) -> None:
+    """Refuse new requests and give those in flight until the deadline; then abort the rest in the
+    engine, so that each still gets an answer (500, or an error event on a stream) before uvicorn
+    closes its connection."""
+    state.admission.begin_draining()
+    if not await state.admission.wait_idle(state.config.shutdown_deadline_s):
+        logger.warning("%d requests still in flight at the shutdown deadline; aborting them",
+                       state.admission.num_in_flight)
+        await state.async_engine.shutdown(0.0)
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document plus the hand-read request bodies and the bearer security scheme."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    document = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    schemas = document.setdefault("components", {}).setdefault("schemas", {})
+    for model in (GenerateRequest, CompatRequest, GenerateResponse, StreamResponse, ErrorResponse):
+        model_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(model_schema.pop("$defs", {}))
+        schemas[model.__name__] = model_schema
+    document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    for path, operations in document["paths"].items():
+        for operation in operations.values():
+            if path != "/health":
+                operation["security"] = [{"bearer": []}]
+    app.openapi_schema = document
+    return document
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, but on the exit signal the app first refuses new requests (503 shutting_down) and
+    starts the drain: in-flight requests get `shutdown_deadline_s`, then the engine aborts them.
+    uvicorn's own grace period is a little longer, so those aborts still reach the clients."""
+
+    def __init__(self, app: FastAPI, config: ServerConfig, **uvicorn_options: Any) -> None:
+        options = {"log_level": "info", **uvicorn_options}
+        grace_s = math.ceil(config.shutdown_deadline_s) + _GRACE_MARGIN_S
+        super().__init__(uvicorn.Config(app, host=config.host, port=config.port,
+                                        timeout_graceful_shutdown=grace_s, **options))
+        self._state: ServerState = app.state.server
+        self._drain_task: asyncio.Future | None = None
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self._begin_drain()
+        super().handle_exit(sig, frame)
+
+    def request_exit(self) -> None:
+        """Begin a graceful shutdown from another thread (what a SIGTERM does)."""
+        self._begin_drain()
+        self.should_exit = True
+
+    def _begin_drain(self) -> None:
+        is_first = not self._state.admission.is_draining
+        self._state.admission.begin_draining()
+        if is_first and self._state.loop is not None:
+            self._state.loop.call_soon_threadsafe(self._start_drain_task)
+
+    def _start_drain_task(self) -> None:
+        self._drain_task = asyncio.ensure_future(_drain(self._state))

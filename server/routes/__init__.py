@@ -1,0 +1,1 @@
+"""HTTP routes: inference (`inference.py`) and service-wide endpoints (`service.py`)."""

@@ -1,0 +1,89 @@
+"""Service-wide routes: `/health` (no token), `/info` and `/metrics`."""
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+
+from server.auth import authenticate
+from server.errors import error_body
+from server.routes.openapi import error_responses
+from server.state import server_state
+from server.tenancy import visible_deployments
+
+logger = logging.getLogger(__name__)
+router = APIRouter(tags=["service"])
+
+
+class DeploymentInfo(BaseModel):
+    name: str
+    base_model: str
+    shared: bool
+
+
+class Limits(BaseModel):
+    max_in_flight: int
+    max_body_bytes: int
+    max_input_length: int
+    max_total_tokens: int
+    max_new_tokens: int
+    max_stop_sequences: int
+    max_best_of: int
+
+
+class Info(BaseModel):
+    version: str
+    tenant: str
+    base_models: list[str]
+    deployments: list[DeploymentInfo]
+    limits: Limits
+
+
+class Health(BaseModel):
+    status: str
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("lora-serve")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.1.0"
+
+
+@router.get("/health", response_model=Health, responses=error_responses(503))
+async def health(request: Request) -> Response:
+    state = server_state(request)
+    is_alive = state.async_engine is not None and state.async_engine.is_running
+    if not is_alive or state.admission.is_draining:
+        return JSONResponse(error_body("healthcheck", "engine is not ready"), 503)
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/info", response_model=Info, responses=error_responses(401))
+async def info(request: Request) -> Info:
+    state = server_state(request)
+    tenant = authenticate(request, state.database)
+    config, context = state.config, state.engine.max_model_len
+    engine_limits = state.engine.config.limits
+    limits = Limits(
+        max_in_flight=config.max_in_flight, max_body_bytes=config.max_body_bytes,
+        max_input_length=engine_limits.max_input_length or context - 1, max_total_tokens=context,
+        max_new_tokens=min(context - 1, config.max_new_tokens_limit or context),
+        max_stop_sequences=engine_limits.max_stop_sequences, max_best_of=engine_limits.max_best_of)
+    deployments = [DeploymentInfo(name=d.name, base_model=d.base_model, shared=d.is_shared)
+                   for d in visible_deployments(state.database, tenant)]
+    return Info(version=_version(), tenant=tenant, base_models=[state.model_name],
+                deployments=deployments, limits=limits)
+
+
+@router.get("/metrics", response_class=Response,
+            responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                             "description": "Prometheus text format"},
+                       **error_responses(401)})
+async def metrics(request: Request) -> Response:
+    state = server_state(request)
+    authenticate(request, state.database)
+    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

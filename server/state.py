@@ -1,0 +1,33 @@
+"""What the routes share: configuration, database, the engine bridge, admission and metrics."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from starlette.requests import HTTPConnection
+
+from lora_runtime import AsyncEngine, Engine
+
+from server.bridge import Admission
+from server.config import ServerConfig
+from server.db import Database
+from server.metrics import ServerMetrics
+
+
+@dataclass(slots=True)
+class ServerState:
+    config: ServerConfig
+    database: Database
+    engine: Engine
+    admission: Admission
+    metrics: ServerMetrics | None
+    async_engine: AsyncEngine | None = None  # set when the app starts
+    loop: asyncio.AbstractEventLoop | None = None  # the app's event loop, set when it starts
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+
+def server_state(connection: HTTPConnection) -> ServerState:
+    return connection.app.state.server

@@ -1,0 +1,100 @@
+"""Server-sent events for one engine stream (API.md section 4): a chunk per new token, the last
+one carrying the text and details, `:` comments after silence, an error event after the first
+byte, and cleanup (abort, admission slot) however the response ends."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from lora_runtime.core import RequestOutput, SamplingParams
+from lora_runtime.errors import EngineError
+from server.errors import error_body
+from server.responses import SSE_KEEPALIVE, sse_event, stream_chunk
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def first_output(stream, wait_s: float) -> asyncio.Future:
+    """Start fetching the stream's first output and wait up to `wait_s` for it, so that failures
+    known by then (a failed first step, say) are raised before the response starts. Returns the pending
+    fetch, to be handed to `sse_events`."""
+    pending = asyncio.ensure_future(stream.__anext__())
+    done, _ = await asyncio.wait({pending}, timeout=wait_s)
+    if done and isinstance(pending.exception(), EngineError):
+        raise pending.exception()
+    return pending
+
+
+async def with_keepalive(stream, first: asyncio.Future,
+                         interval_s: float) -> AsyncIterator[RequestOutput | None]:
+    """The stream's outputs from the pending fetch `first` on, with None whenever `interval_s`
+    passes without one."""
+    pending: asyncio.Future | None = first
+    try:
+        while True:
+            pending = pending or asyncio.ensure_future(stream.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=interval_s)
+            if not done:
+                yield None
+                continue
+            finished, pending = pending, None
+            if isinstance(finished.exception(), StopAsyncIteration):
+                return
+            yield finished.result()
+    finally:
+        if pending is not None:
+            pending.cancel()
+
+
+async def sse_events(stream, first: asyncio.Future, inputs: str, params: SamplingParams,
+                     keepalive_s: float,
+                     on_final: Callable[[RequestOutput], None]) -> AsyncIterator[bytes]:
+    """The response body; `on_final` sees the final output once its event is built."""
+    num_sent = 0
+    try:
+        async for output in with_keepalive(stream, first, keepalive_s):
+            if output is None:
+                yield SSE_KEEPALIVE
+                continue
+            if output.error is not None:
+                yield _error_event(output.error)
+                return
+            new_tokens = output.tokens[num_sent:]
+            for index, token in enumerate(new_tokens):
+                is_last = output.finished and index == len(new_tokens) - 1
+                chunk = stream_chunk(token, output if is_last else None, inputs, params)
+                yield sse_event(chunk.model_dump())
+            num_sent = len(output.tokens)
+            if output.finished:
+                on_final(output)
+                return
+    except EngineError as error:
+        yield _error_event(error)
+
+
+def _error_event(error: Exception) -> bytes:
+    if isinstance(error, EngineError):
+        return sse_event(error_body(error.error_type, error.message))
+    return sse_event(error_body("incomplete_generation", f"the engine failed the request: {error}"))
+
+
+class CleanupStreamingResponse(StreamingResponse):
+    """A streaming response that runs `on_close` however it ends: finished, failed, or the client
+    gone before or during the body (Starlette then cancels the body without closing it)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]],
+                 headers: dict[str, str], status_code: int = 200) -> None:
+        super().__init__(content, status_code, headers={**SSE_HEADERS, **headers})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            # Shielded: the usual reason to get here is a cancellation, and cleanup must still run.
+            await asyncio.shield(self._on_close())

@@ -1,0 +1,158 @@
+"""Generation parameters through the whole engine on the embedded model (float32): seeds are batch
+invariant, best_of computes the prompt once and picks the best mean logprob, stop strings spanning
+tokens, truncate, prompt logprobs against HF, watermark detected by transformers, schema outputs
+valid under `jsonschema`."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+
+from lora_runtime import Engine, EngineConfig, SamplingParams, ValidationError
+from lora_runtime.sampling import detect_watermark
+
+
+@pytest.fixture(scope="module")
+def engine(embedded_model_dir) -> Engine:
+    return Engine.from_config(EngineConfig(dtype="float32"))
+
+
+def chat(engine: Engine, question: str) -> str:
+    messages = [{"role": "user", "content": question}]
+    return engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def test_seeded_request_gives_the_same_tokens_alone_and_in_different_batches(engine) -> None:
+    prompt = chat(engine, "Invent a name for a cat.")
+    seeded = SamplingParams(max_new_tokens=12, do_sample=True, temperature=0.9, top_k=50, seed=42)
+    alone = engine.generate([prompt], seeded)[0].token_ids
+    others = [chat(engine, q) for q in ("Count to five.", "Name a colour.", "Say hello in German.")]
+    in_batch = engine.generate([others[0], prompt, others[1]], [SamplingParams(max_new_tokens=20), seeded, SamplingParams(do_sample=True, seed=1)])
+    in_other_batch = engine.generate([prompt, *others], [seeded] + [SamplingParams(max_new_tokens=3)] * 3)
+    assert in_batch[1].token_ids == alone
+    assert in_other_batch[0].token_ids == alone
+    other_seed = engine.generate([prompt], SamplingParams(max_new_tokens=12, do_sample=True, temperature=0.9, top_k=50, seed=43))[0]
+    assert other_seed.token_ids != alone
+    assert in_batch[1].seed == 42
+
+
+def test_best_of_computes_the_prompt_once_and_returns_the_best_mean_logprob(engine) -> None:
+    prompt = chat(engine, "Write a short sentence about rain.")
+    params = SamplingParams(max_new_tokens=10, best_of=3, do_sample=True, seed=7, ignore_eos_token=True)
+    request_id = engine.add_request(prompt, params)
+    num_prompt = len(engine.tokenizer(prompt)["input_ids"])
+    computed_tokens, final = 0, None
+    while engine.has_unfinished_requests():
+        output = engine.scheduler.schedule()
+        computed_tokens += output.num_batched_tokens
+        final = _finish_step(engine, output) or final
+    assert final is not None and final.request_id == request_id
+    candidates = [final, *final.best_of_sequences]
+    assert sorted(c.seed for c in candidates) == [7, 8, 9]
+    means = [sum(t.logprob for t in c.tokens) / len(c.tokens) for c in candidates]
+    assert means[0] == max(means)
+    # The prompt ran once; each candidate then computed its own generated tokens but the last.
+    assert computed_tokens == num_prompt + 3 * (10 - 1)
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+
+
+def _finish_step(engine: Engine, output):
+    """Run a step whose schedule was already taken (as Engine.step does after scheduling)."""
+    runner_output = engine.runner.execute(output, lora=engine._lora_for_step(output))
+    engine.scheduler.update_after_step(output)
+    finished = [o for o in engine._sample_and_update(runner_output) if o.finished]
+    return finished[0] if finished else None
+
+
+def test_stop_string_spanning_tokens_stops_and_stays_in_the_text(engine) -> None:
+    prompt = "1, 2, 3, 4, 5, 6,"
+    free = engine.generate([prompt], SamplingParams(max_new_tokens=12))[0].text
+    assert "8, 9" in free, f"the test needs the model to count on: {free!r}"
+    stopped = engine.generate([prompt], SamplingParams(max_new_tokens=12, stop=("8, 9",)))[0]
+    assert stopped.finish_reason == "stop_sequence"
+    assert stopped.text.endswith("8, 9") or "8, 9" in stopped.text[-6:]
+    assert len(stopped.text) < len(free)
+
+
+def test_truncate_keeps_exactly_the_last_tokens(engine) -> None:
+    prompt = "alpha beta gamma delta epsilon zeta eta theta"
+    ids = engine.tokenizer(prompt)["input_ids"]
+    output = engine.generate([prompt], SamplingParams(max_new_tokens=2, truncate=3))[0]
+    assert output.prompt_token_ids == ids[-3:]
+    with pytest.raises(ValidationError) as error:
+        engine.add_request(prompt, SamplingParams(truncate=10**6))
+    assert error.value.field == "truncate"
+
+
+def test_prompt_logprobs_equal_hf_log_softmax(engine, hf_embedded_model) -> None:
+    prompt = chat(engine, "Why is the sky blue?")
+    output = engine.generate([prompt], SamplingParams(max_new_tokens=1, decoder_input_details=True))[0]
+    ids = output.prompt_token_ids
+    with torch.no_grad():
+        logprobs = torch.log_softmax(hf_embedded_model(torch.tensor([ids])).logits[0], dim=-1)
+    expected = [logprobs[i, t].item() for i, t in enumerate(ids[1:])]
+    assert output.prefill[0].logprob is None
+    assert [p.logprob for p in output.prefill[1:]] == pytest.approx(expected, abs=1e-4)
+
+
+def test_watermarked_text_is_detected_by_transformers_and_by_ours(engine) -> None:
+    from transformers import LlamaConfig, WatermarkDetector, WatermarkingConfig
+
+    prompt = chat(engine, "Tell me a long story about a dragon and a knight.")
+    params = dict(max_new_tokens=80, do_sample=True, seed=3, ignore_eos_token=True)
+    marked = engine.generate([prompt], SamplingParams(watermark=True, **params))[0]
+    plain = engine.generate([prompt], SamplingParams(**params))[0]
+    vocab = engine.model.shape.vocab_size
+    last = marked.prompt_token_ids[-1]
+    ours_marked = detect_watermark(last, marked.token_ids, vocab)
+    ours_plain = detect_watermark(last, plain.token_ids, vocab)
+    assert ours_marked.z_score > 4 and ours_plain.z_score < 2
+    config = WatermarkingConfig(greenlist_ratio=0.5, bias=2.0, hashing_key=15485863, seeding_scheme="lefthash", context_width=1)
+    model_config = LlamaConfig(vocab_size=vocab, bos_token_id=vocab - 1)  # a bos id that never occurs here
+    detector = WatermarkDetector(model_config=model_config, device="cpu", watermarking_config=config)
+    z = detector(torch.tensor([[last, *marked.token_ids]]), return_dict=True).z_score[0]
+    assert z == pytest.approx(ours_marked.z_score, abs=1e-3)
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                   "pet": {"enum": ["cat", "dog", "none"]}},
+    "required": ["name", "age", "pet"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_schema_outputs_validate(engine, sampled: bool) -> None:
+    prompt = chat(engine, "Describe a person as JSON.")
+    extra = dict(do_sample=True, seed=11, temperature=1.2) if sampled else {}
+    output = engine.generate([prompt], SamplingParams(max_new_tokens=60, schema=json.dumps(SCHEMA), **extra))[0]
+    assert output.finish_reason == "eos_token"
+    jsonschema.validate(json.loads(output.text), SCHEMA)
+
+
+def test_uncompilable_schema_is_refused_before_generation(engine) -> None:
+    with pytest.raises(ValidationError) as error:
+        engine.add_request("hi", SamplingParams(schema='{"type": "string", "format": "no-such-format", "uniqueItems": true, "not": {}}'))
+    assert error.value.field == "schema"
+
+
+CUSTOM_TEMPLATE = "{% for m in messages %}<<{{ m['role'] }}>>{{ m['content'] }}{% endfor %}<<assistant>>"
+
+
+def test_apply_chat_template_renders_text_or_messages_with_the_base_template(engine) -> None:
+    from lora_runtime.validation import prepare_prompt
+
+    params = SamplingParams(max_new_tokens=4, apply_chat_template=True)
+    expected = chat(engine, "What is 2 + 2?")
+    for inputs in ("What is 2 + 2?", json.dumps([{"role": "user", "content": "What is 2 + 2?"}])):
+        output = engine.generate([inputs], params)[0]
+        assert output.prompt == expected
+        assert output.prompt_token_ids == engine.tokenizer(expected, add_special_tokens=False)["input_ids"]
+    assert prepare_prompt("hi", params, engine, CUSTOM_TEMPLATE)[0] == "<<user>>hi<<assistant>>"
+    with pytest.raises(ValidationError) as error:
+        engine.add_request(json.dumps([{"role": "user"}]), params)
+    assert error.value.field == "inputs"

@@ -1,0 +1,136 @@
+"""Scheduler and allocator invariants, with no model: budgets never exceeded, every block freed,
+preemption recomputes, FCFS order, no request starved (also across adapters)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from lora_runtime.config import SchedulerConfig
+from lora_runtime.core import RequestStatus
+from lora_runtime.kv_cache import BlockAllocator, KVCacheManager
+from lora_runtime.scheduler import Scheduler
+from tests.engine.factories import make_request
+
+
+def _simulate_step(scheduler: Scheduler) -> list:
+    """What the engine does around the model: record computed tokens, append a token to every
+    request that reached its end, finish those that hit max_new_tokens."""
+    output = scheduler.schedule()
+    scheduler.update_after_step(output)
+    finished = []
+    for item in output.scheduled:
+        request = item.request
+        if item.samples_next_token:
+            request.output_token_ids.append(0)
+            if len(request.output_token_ids) >= request.params.max_new_tokens:
+                scheduler.finish(request)
+                finished.append(request)
+    return output, finished
+
+
+def test_allocator_reference_counts_return_blocks_at_zero() -> None:
+    allocator = BlockAllocator(4)
+    blocks = allocator.allocate(3)
+    allocator.share(blocks[:2])
+    allocator.release(blocks)
+    assert allocator.num_free_blocks == 2  # the two shared blocks still have one reader
+    allocator.release(blocks[:2])
+    assert allocator.num_free_blocks == 4
+    with pytest.raises(AssertionError):
+        allocator.release(blocks[:1])
+
+
+def test_block_table_grows_by_whole_blocks_and_refuses_when_full() -> None:
+    kv = KVCacheManager(num_blocks=3, block_size_tokens=4)
+    assert kv.allocate_slots("a", 5)
+    assert len(kv.block_table("a")) == 2
+    assert kv.allocate_slots("a", 8) and len(kv.block_table("a")) == 2
+    assert not kv.allocate_slots("a", 13)  # needs 4 blocks, only 3 exist
+    assert len(kv.block_table("a")) == 2, "a refused allocation changes nothing"
+    kv.free("a")
+    assert kv.num_free_blocks == 3
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_workload_respects_budgets_and_frees_every_block(seed: int) -> None:
+    rng = random.Random(seed)
+    config = SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=5, max_adapters_per_step=2)
+    kv = KVCacheManager(num_blocks=14, block_size_tokens=4)
+    scheduler = Scheduler(config, kv)
+    requests = [
+        make_request(f"r{i}", rng.randint(1, 30), rng.randint(1, 12), rng.choice([None, "a", "b", "c"]))
+        for i in range(25)
+    ]
+    pending = list(requests)
+    finished, preemptions, steps = [], 0, 0
+    while (pending or scheduler.num_unfinished) and steps < 2000:
+        steps += 1
+        for _ in range(rng.randint(0, 2)):
+            if pending:
+                scheduler.add_request(pending.pop(0))
+        output, done = _simulate_step(scheduler)
+        finished.extend(done)
+        preemptions += len(output.preempted)
+        assert output.num_batched_tokens <= config.max_num_batched_tokens
+        assert len(output.scheduled) <= config.max_num_seqs
+        assert len(output.adapter_keys) <= config.max_adapters_per_step
+        keys = [item.request.adapter_key or "" for item in output.scheduled]
+        assert keys == sorted(keys), "one adapter's tokens must be contiguous"
+        assert kv.num_free_blocks + sum(len(kv.block_table(r.request_id)) for r in scheduler.running) == kv.num_blocks
+    assert len(finished) == len(requests), "every request finishes: none starved"
+    assert kv.num_free_blocks == kv.num_blocks
+    assert preemptions > 0, "the cache is small enough that this workload must preempt"
+
+
+def test_preempted_request_recomputes_from_zero_and_keeps_its_place() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size_tokens=4)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64), kv)
+    first, second = make_request("first", 8, 20), make_request("second", 7, 20)
+    scheduler.add_request(first)
+    scheduler.add_request(second)
+    _simulate_step(scheduler)  # both prefilled: 2 + 2 blocks, cache full
+    output, _ = _simulate_step(scheduler)  # first needs a third block: the newest is preempted
+    assert [r.request_id for r in output.preempted] == ["second"]
+    assert second.num_computed_tokens == 0 and second.status is RequestStatus.PREEMPTED
+    assert scheduler.waiting[0] is second
+    assert second.output_token_ids == [0], "generated tokens survive preemption and are recomputed"
+
+
+def test_chunked_prefill_grants_the_rest_over_several_steps() -> None:
+    kv = KVCacheManager(num_blocks=64, block_size_tokens=4)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=10), kv)
+    request = make_request("long", 25, 2)
+    scheduler.add_request(request)
+    grants = []
+    for _ in range(3):
+        output, _ = _simulate_step(scheduler)
+        grants.append([(item.num_computed_tokens, item.num_new_tokens, item.samples_next_token) for item in output.scheduled])
+    assert grants == [[(0, 10, False)], [(10, 10, False)], [(20, 5, True)]]
+
+
+def test_unpopular_adapter_is_not_starved_by_popular_ones() -> None:
+    """Two popular adapters keep the single adapter slot per step busy with new arrivals; the
+    request for a third adapter still runs once it has waited long enough."""
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_adapters_per_step=1, max_wait_steps_before_priority=4)
+    scheduler = Scheduler(config, KVCacheManager(num_blocks=256, block_size_tokens=4))
+    scheduler.add_request(make_request("popular-0", 4, 3, "popular"))
+    scheduler.add_request(make_request("rare", 4, 3, "rare"))
+    for step in range(40):
+        scheduler.add_request(make_request(f"popular-{step + 1}", 4, 3, "popular"))
+        output, _ = _simulate_step(scheduler)
+        if any(item.request.request_id == "rare" for item in output.scheduled):
+            return
+    pytest.fail("the rare adapter's request never ran")
+
+
+def test_waiting_request_whose_adapter_is_loading_does_not_block_others() -> None:
+    ready = {"fast"}
+    scheduler = Scheduler(SchedulerConfig(), KVCacheManager(64, 4), is_adapter_ready=lambda key: key in ready)
+    scheduler.add_request(make_request("slow", 4, 2, "slow"))
+    scheduler.add_request(make_request("fast", 4, 2, "fast"))
+    output, _ = _simulate_step(scheduler)
+    assert [item.request.request_id for item in output.scheduled] == ["fast"]
+    ready.add("slow")
+    output, _ = _simulate_step(scheduler)
+    assert "slow" in [item.request.request_id for item in output.scheduled]

@@ -1,0 +1,116 @@
+"""Per-request generators, batch independence, logprobs, and transformers' generate as the seed oracle."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lora_runtime.core import SamplingParams
+from lora_runtime.errors import ValidationError
+from lora_runtime.sampling import Sampler, SamplingState, TokenizerInfo, next_token_logprobs, prompt_logprobs
+from lora_runtime.sampling.processors import apply_logits_chain
+from tests.sampling.generation import generate
+
+VOCAB = 500
+STEPS = 12
+PROMPT = [5, 17, 17, 42]
+
+
+@pytest.fixture(scope="module")
+def info() -> TokenizerInfo:
+    return TokenizerInfo(tokenizer=None, vocab_size=VOCAB, eos_token_ids=[0])
+
+
+def _run_batches(batches: list[list[tuple[str, SamplingParams]]], info: TokenizerInfo) -> dict[str, list[int]]:
+    """Step several batch compositions; request `name` always sees the same logits at step t."""
+    logits_of = {name: torch.randn(STEPS, VOCAB, generator=torch.Generator().manual_seed(hash(name) % 1000))
+                 for batch in batches for name, _ in batch}
+    results: dict[str, list[int]] = {}
+    for batch in batches:
+        states = [SamplingState(params, PROMPT, info) for _, params in batch]
+        for step in range(STEPS):
+            logits = torch.stack([logits_of[name][step] for name, _ in batch])  # [num_rows, vocab]
+            for state, token_id in zip(states, Sampler().sample(logits, states).token_ids):
+                state.accept(token_id)
+        for (name, _), state in zip(batch, states):
+            results.setdefault(name, state.token_ids)
+            assert results[name] == state.token_ids, f"{name} changed with the batch"
+    return results
+
+
+def test_seeded_tokens_do_not_depend_on_the_batch(info: TokenizerInfo) -> None:
+    seeded = SamplingParams(do_sample=True, seed=7, top_k=50, top_p=0.9, repetition_penalty=1.2)
+    others = [
+        ("greedy", SamplingParams()),
+        ("hot", SamplingParams(temperature=1.5, seed=3)),
+        ("watermark", SamplingParams(do_sample=True, seed=9, watermark=True, typical_p=0.9)),
+    ]
+    results = _run_batches(
+        [[("seeded", seeded)], [others[0], ("seeded", seeded), others[1]], [*others, ("seeded", seeded)]], info
+    )
+    different_seed = _run_batches([[("seeded", SamplingParams(do_sample=True, seed=8, top_k=50, top_p=0.9,
+                                                              repetition_penalty=1.2))]], info)
+    assert results["seeded"] != different_seed["seeded"]
+
+
+def test_random_seed_is_reported_and_reproduces(info: TokenizerInfo) -> None:
+    params = SamplingParams(do_sample=True, temperature=2.0)
+    first, second = SamplingState(params, PROMPT, info), SamplingState(params, PROMPT, info)
+    assert first.seed is not None and first.seed != second.seed
+    replay = SamplingState(SamplingParams(do_sample=True, temperature=2.0, seed=first.seed), PROMPT, info)
+    logits = torch.randn(STEPS, VOCAB)
+    for step in range(STEPS):
+        original = Sampler().sample(logits[step : step + 1], [first]).token_ids
+        assert Sampler().sample(logits[step : step + 1], [replay]).token_ids == original
+    assert SamplingState(SamplingParams(temperature=0.0, top_k=5), PROMPT, info).seed is None
+
+
+def test_best_of_candidate_i_uses_seed_plus_i(info: TokenizerInfo) -> None:
+    candidate = SamplingState(SamplingParams(do_sample=True, seed=100, best_of=3), PROMPT, info, candidate_index=2)
+    alone = SamplingState(SamplingParams(do_sample=True, seed=102), PROMPT, info)
+    assert candidate.seed == 102
+    logits = torch.randn(4, VOCAB)
+    assert Sampler().sample(logits[:1], [candidate]).token_ids == Sampler().sample(logits[:1], [alone]).token_ids
+
+
+def test_logprob_is_log_softmax_of_the_processed_scores(info: TokenizerInfo) -> None:
+    params = [SamplingParams(), SamplingParams(temperature=0.5, top_k=10, seed=1), SamplingParams(repetition_penalty=2.0)]
+    states = [SamplingState(p, PROMPT, info) for p in params]
+    logits = torch.randn(3, VOCAB) * 4
+    logits[2, 17] = 100.0  # a repeated prompt id: the penalty halves it, still the argmax
+    processed = apply_logits_chain(logits, [s.row_settings() for s in states])
+    result = Sampler().sample(logits, states)
+    expected = torch.log_softmax(processed, -1)[torch.arange(3), torch.tensor(result.token_ids)]
+    torch.testing.assert_close(torch.tensor(result.logprobs), expected)
+    assert result.token_ids[0] == int(logits[0].argmax()) and result.token_ids[2] == 17
+    assert result.token_ids[1] in torch.topk(logits[1], 10).indices.tolist()
+
+
+def test_bad_schema_is_refused_when_the_state_is_made(tokenizer_info: TokenizerInfo) -> None:
+    with pytest.raises(ValidationError) as error:
+        SamplingState(SamplingParams(schema='{"type": "array", "uniqueItems": true}'), PROMPT, tokenizer_info)
+    assert error.value.field == "schema"
+
+
+@pytest.mark.parametrize("seed", [0, 1234])
+def test_seed_matches_transformers_generate(seed: int, hf_model, tokenizer, tokenizer_info) -> None:
+    prompt_ids = tokenizer("The best thing about the sea is")["input_ids"]
+    options = dict(temperature=0.8, top_k=30, top_p=0.9, repetition_penalty=1.3)
+    torch.manual_seed(seed)
+    with torch.inference_mode():
+        expected = hf_model.generate(torch.tensor([prompt_ids]), do_sample=True, max_new_tokens=10, **options)
+    state = SamplingState(SamplingParams(do_sample=True, seed=seed, **options), prompt_ids, tokenizer_info)
+    ours = generate(hf_model, [prompt_ids], [state], {tokenizer.eos_token_id}, max_new_tokens=10)
+    assert ours[0] == expected[0, len(prompt_ids) :].tolist()
+
+
+@torch.inference_mode()
+def test_prompt_logprobs_equal_next_token_logprobs_from_prefixes(hf_model, tokenizer) -> None:
+    ids = tokenizer("Paris is the capital of France.")["input_ids"]
+    logits = hf_model(torch.tensor([ids])).logits[0]  # [T, vocab]
+    ours = prompt_logprobs(logits, ids)
+    assert ours[0] is None and len(ours) == len(ids)
+    chunks = next_token_logprobs(logits[:3], ids[1:4]) + next_token_logprobs(logits[3:-1], ids[4:])
+    assert chunks == ours[1:]
+    for t in range(1, len(ids)):
+        prefix_logits = hf_model(torch.tensor([ids[:t]])).logits[0, -1]
+        assert ours[t] == pytest.approx(float(torch.log_softmax(prefix_logits, -1)[ids[t]]), abs=1e-4)

@@ -1,0 +1,110 @@
+"""Real clients against the live server: lorax-client 0.6.3, text-generation 0.7.0, and ours."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import httpx
+import lorax
+import lorax.errors
+import pytest
+import text_generation
+import text_generation.errors
+
+from server import client as ours
+from tests.server.test_http_load import LONG, engine_is_idle, wait_until
+
+# One worker per module under xdist: its live server is started once.
+pytestmark = pytest.mark.xdist_group("test_clients")
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def reference(live) -> dict:
+    """The server's own answer, through our client, that the other clients must reproduce."""
+    answer = ours.Client(live.base_url, live.tokens["demo"], "demo", live.model_name).generate(
+        PROMPT, max_new_tokens=6, details=True)
+    return answer.model_dump()
+
+
+@pytest.mark.parametrize("module", [lorax, text_generation], ids=["lorax", "text_generation"])
+def test_official_clients_generate_and_stream(live, reference, module) -> None:
+    client = module.Client(live.prefix(), headers=live.headers(), timeout=60)
+    # text-generation always asks for details; lorax-client asks only when told.
+    details = {"details": True} if module is lorax else {}
+    answer = client.generate(PROMPT, max_new_tokens=6, **details)
+    assert answer.generated_text == reference["generated_text"]
+    assert answer.details.generated_tokens == 6
+    assert [t.id for t in answer.details.tokens] == [t["id"] for t in reference["details"]["tokens"]]
+    chunks = list(client.generate_stream(PROMPT, max_new_tokens=6, **details))
+    assert [c.token.id for c in chunks] == [t["id"] for t in reference["details"]["tokens"]]
+    assert chunks[-1].generated_text == reference["generated_text"]
+    assert chunks[-1].details.generated_tokens == 6
+
+
+@pytest.mark.parametrize("module", [lorax, text_generation], ids=["lorax", "text_generation"])
+def test_official_clients_raise_their_typed_errors(live, module) -> None:
+    client = module.Client(live.prefix(), headers=live.headers(), timeout=60)
+    with pytest.raises(module.errors.ValidationError):
+        client.generate(PROMPT, max_new_tokens=1_000_000)
+    with pytest.raises(module.errors.ValidationError):
+        list(client.generate_stream(PROMPT, max_new_tokens=1_000_000))
+    missing = module.Client(live.prefix(deployment="no-such-model"), headers=live.headers())
+    with pytest.raises(module.errors.NotFoundError):
+        missing.generate(PROMPT, max_new_tokens=2)
+
+
+def test_official_clients_raise_overloaded_when_the_server_is_full(live) -> None:
+    readers = []  # kept referenced: a collected line iterator closes its connection
+    with contextlib.ExitStack() as held, httpx.Client(timeout=60) as http:
+        for _ in range(live.state.config.max_in_flight):
+            response = held.enter_context(http.stream("POST", live.prefix() + "/generate_stream",
+                                                      json=LONG, headers=live.headers()))
+            readers.append(response.iter_lines())
+            assert next(readers[-1]).startswith("data:")
+        assert live.state.admission.num_in_flight == live.state.config.max_in_flight
+        for module in (lorax, text_generation):
+            with pytest.raises(module.errors.OverloadedError):
+                module.Client(live.prefix(), headers=live.headers()).generate(PROMPT, max_new_tokens=2)
+        with pytest.raises(ours.OverloadedError):
+            ours.Client(live.base_url, live.tokens["demo"], "demo", live.model_name).generate(PROMPT)
+    wait_until(lambda: engine_is_idle(live), 10)
+
+
+def test_lorax_async_client(live, reference) -> None:
+    async def run() -> str:
+        client = lorax.AsyncClient(live.prefix(), headers=live.headers(), timeout=60)
+        answer = await client.generate(PROMPT, max_new_tokens=6, details=True)
+        return answer.generated_text
+
+    assert asyncio.run(run()) == reference["generated_text"]
+
+
+def test_our_clients_sync_and_async(live, reference) -> None:
+    args = (live.base_url, live.tokens["demo"], "demo", live.model_name)
+    chunks = list(ours.Client(*args).generate_stream(PROMPT, max_new_tokens=6, details=True))
+    assert chunks[-1].generated_text == reference["generated_text"]
+    assert chunks[-1].details.generated_tokens == 6
+
+    async def run() -> tuple[str, str]:
+        client = ours.AsyncClient(*args)
+        answer = await client.generate(PROMPT, max_new_tokens=6)
+        streamed = [chunk async for chunk in client.generate_stream(PROMPT, max_new_tokens=6)]
+        return answer.generated_text, streamed[-1].generated_text
+
+    assert asyncio.run(run()) == (reference["generated_text"], reference["generated_text"])
+
+
+def test_our_client_raises_typed_errors(live) -> None:
+    args = (live.base_url, live.tokens["demo"], "demo", live.model_name)
+    with pytest.raises(ours.ValidationError) as refused:
+        ours.Client(*args).generate(PROMPT, temperature=-1.0)
+    assert refused.value.status == 422 and refused.value.error_type == "validation"
+    assert "temperature" in refused.value.message
+    with pytest.raises(ours.AuthenticationError):
+        ours.Client(live.base_url, "wrong", "demo", live.model_name).generate(PROMPT)
+    with pytest.raises(ours.ForbiddenError):
+        list(ours.Client(live.base_url, live.tokens["other"], "demo", live.model_name).generate_stream(PROMPT))
+    with pytest.raises(ours.NotFoundError):
+        ours.Client(live.base_url, live.tokens["demo"], "demo", "nope").generate(PROMPT)

@@ -1,0 +1,104 @@
+"""Wire parameters to SamplingParams: nulls, spellings, schema forms, service limits, refusals."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lora_runtime.core import SamplingParams
+from lora_runtime.errors import ValidationError
+from server.config import ServerConfig
+from server.params import adapter_headers, adapter_reference, to_sampling_params
+from server.protocol import GenerateParameters
+
+CONFIG = ServerConfig()
+
+
+def params(body: dict, is_stream: bool = False) -> SamplingParams:
+    return to_sampling_params(GenerateParameters.model_validate(body), CONFIG, is_stream)
+
+
+def test_explicit_nulls_give_the_defaults() -> None:
+    # What lorax-client 0.6.3 sends for a bare generate call.
+    body = {"adapter_id": None, "adapter_source": None, "merged_adapters": None, "api_token": None,
+            "do_sample": False, "max_new_tokens": None, "ignore_eos_token": False,
+            "repetition_penalty": None, "return_full_text": False, "stop": [], "seed": None,
+            "temperature": None, "top_k": None, "top_p": None, "truncate": None, "typical_p": None,
+            "best_of": None, "watermark": False, "details": True, "decoder_input_details": False,
+            "return_k_alternatives": None, "response_format": None}
+    assert params(body) == SamplingParams(details=True)
+
+
+def test_every_spec_parameter_reaches_sampling_params() -> None:
+    body = {"best_of": 2, "details": True, "decoder_input_details": True, "do_sample": True,
+            "max_new_tokens": 7, "repetition_penalty": 1.3, "return_full_text": True, "seed": 5,
+            "stop": ["x"], "temperature": 0.7, "top_k": 9, "top_p": 0.9, "truncate": 11,
+            "typical_p": 0.8, "watermark": True, "ignore_eos_token": True, "schema": '{"type":"object"}'}
+    expected = SamplingParams(best_of=2, details=True, decoder_input_details=True, do_sample=True,
+                              max_new_tokens=7, repetition_penalty=1.3, return_full_text=True,
+                              seed=5, stop=("x",), temperature=0.7, top_k=9, top_p=0.9, truncate=11,
+                              typical_p=0.8, watermark=True, ignore_eos_token=True,
+                              schema='{"type":"object"}')
+    assert params(body) == expected
+
+
+def test_both_penalty_spellings_and_the_correct_one_wins() -> None:
+    assert params({"repitition_penalty": 1.5}).repetition_penalty == 1.5
+    assert params({"repitition_penalty": 1.5, "repetition_penalty": 1.2}).repetition_penalty == 1.2
+
+
+@pytest.mark.parametrize("body", [
+    {"schema": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+    {"response_format": {"type": "json_object", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}},
+    {"response_format": {"type": "json_schema", "schema": '{"type": "object", "properties": {"a": {"type": "integer"}}}'}},
+])
+def test_schema_forms_become_one_json_string(body: dict) -> None:
+    assert json.loads(params(body).schema) == {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize(("body", "is_stream", "field"), [
+    ({"best_of": 2, "do_sample": True}, True, "best_of"),
+    ({"decoder_input_details": True}, True, "decoder_input_details"),
+    ({"best_of": 2}, False, "best_of"),
+    ({"temperature": -0.5}, False, "temperature"),
+    ({"top_p": 1.5}, False, "top_p"),
+    ({"schema": "{}", "response_format": {"type": "json_object"}}, False, "schema"),
+    ({"response_format": {"type": "json_schema"}}, False, "response_format"),
+])
+def test_refusals_name_the_field(body: dict, is_stream: bool, field: str) -> None:
+    with pytest.raises(ValidationError) as refused:
+        params(body, is_stream)
+    assert refused.value.field == field
+
+
+def test_a_parameter_the_engine_lacks_is_refused_by_name_not_ignored() -> None:
+    if "apply_chat_template" in SamplingParams.__dataclass_fields__:
+        assert params({"apply_chat_template": True}).apply_chat_template is True
+    else:
+        with pytest.raises(ValidationError, match="apply_chat_template"):
+            params({"apply_chat_template": True})
+    assert params({"apply_chat_template": False}) == SamplingParams()
+
+
+def test_adapter_fields_are_refused_until_the_engine_takes_adapters() -> None:
+    assert adapter_reference(GenerateParameters.model_validate({"adapter_id": ""})) is None
+    for body, field in (({"adapter_id": "repo/1"}, "adapter_id"),
+                        ({"merged_adapters": {"ids": ["a/1", "b/1"]}}, "merged_adapters")):
+        with pytest.raises(ValidationError) as refused:
+            adapter_reference(GenerateParameters.model_validate(body))
+        assert refused.value.field == field
+
+
+@pytest.mark.parametrize(("body", "adapter_id", "source"), [
+    ({}, "", "base"),
+    ({"adapter_id": ""}, "", "base"),
+    ({"adapter_id": "support/3"}, "support/3", "pbase"),
+    ({"adapter_id": "support/3@12"}, "support/3@12", "pbase"),
+    ({"adapter_id": "org/name"}, "org/name", "hub"),
+    ({"adapter_id": "s3://bucket/prefix"}, "s3://bucket/prefix", "s3"),
+    ({"adapter_id": "bucket/prefix", "adapter_source": "s3"}, "bucket/prefix", "s3"),
+    ({"merged_adapters": {"ids": ["a/1", "b/2"]}}, "a/1,b/2", "merged"),
+])
+def test_adapter_headers_name_the_adapter_and_its_source(body: dict, adapter_id: str, source: str) -> None:
+    headers = adapter_headers(GenerateParameters.model_validate(body))
+    assert headers == {"x-adapter-id": adapter_id, "x-adapter-source": source}

@@ -103,7 +103,7 @@ class AsyncEngine:
     ) -> RequestStream:
         """Validate, queue, and wait until the request's adapter is loaded: validation and adapter
         failures raise EngineError subclasses here, before anything is streamed."""
-        future: concurrent.futures.Future[tuple[str, concurrent.futures.Future | None]] = concurrent.futures.Future()
+        future: concurrent.futures.Future[tuple[RequestStream, concurrent.futures.Future | None]] = concurrent.futures.Future()
 
         def add() -> None:
             try:
@@ -111,12 +111,13 @@ class AsyncEngine:
             except Exception as error:  # handed to the caller, who maps it to a status
                 future.set_exception(error)
                 return
+            # The stream itself is handed over: a fast adapter failure may finish the request, and
+            # drop it from `_streams`, before the caller runs again.
             self._streams[new_id] = RequestStream(new_id, self)
-            future.set_result((new_id, self.engine.adapter_load(new_id)))
+            future.set_result((self._streams[new_id], self.engine.adapter_load(new_id)))
 
         self._commands.put(add)
-        new_id, adapter_load = await asyncio.wrap_future(future)
-        stream = self._streams[new_id]
+        stream, adapter_load = await asyncio.wrap_future(future)
         if adapter_load is not None:
             try:
                 await asyncio.wrap_future(adapter_load)

@@ -88,14 +88,16 @@ class AdapterManager:
         if adapter is None or adapter == "":
             return None
         if isinstance(adapter, AdapterRequest):
-            return adapter
-        if isinstance(adapter, str):
-            adapter = parse_adapter_ref(adapter, allow_local=self.config.allow_local_paths)
-        if not isinstance(adapter, (AdapterRef, MergedAdapters)):
-            raise ValidationError("adapter_id", f"unsupported adapter reference {type(adapter).__name__}")
-        if isinstance(adapter, AdapterRef) and adapter.source not in self.sources:
-            raise ValidationError("adapter_source", f"source {adapter.source!r} is not configured")
-        return AdapterRequest(adapter, api_token, scope)
+            request = adapter
+        else:
+            if isinstance(adapter, str):
+                adapter = parse_adapter_ref(adapter, allow_local=self.config.allow_local_paths)
+            if not isinstance(adapter, (AdapterRef, MergedAdapters)):
+                raise ValidationError("adapter_id", f"unsupported adapter reference {type(adapter).__name__}")
+            request = AdapterRequest(adapter, api_token, scope)
+        if isinstance(request.adapter, AdapterRef) and request.adapter.source not in self.sources:
+            raise ValidationError("adapter_source", f"source {request.adapter.source!r} is not configured")
+        return request
 
     def acquire(self, request: AdapterRequest) -> Future[LoraWeights]:
         """Start (or join) the load of the request's adapter and pin it for one user; the caller

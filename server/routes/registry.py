@@ -9,9 +9,9 @@ URL, signed and expiring, is the authorization. Its signature is checked before 
 from __future__ import annotations
 
 import tempfile
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Path, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
@@ -26,6 +26,8 @@ from server.state import ServerState, server_state
 router = APIRouter(tags=["registry"])
 _BODY_LIMIT_BYTES = 64 * 1024  # JSON bodies of these routes are a few fields
 _SPOOL_BYTES = 8 << 20  # upload bodies past this go to a temporary file while they arrive
+# A version number, bounded so it fits every database's INTEGER (past it: 422, not a driver error).
+Tag = Annotated[int, Path(ge=1, le=2**31 - 1)]
 
 
 class _Body(BaseModel):
@@ -100,14 +102,14 @@ async def delete_repo(request: Request, name: str) -> Response:
 
 
 @router.get("/v2/repos/{repo}/version/{tag}", **_doc(401, 404, 422))
-async def get_version(request: Request, repo: str, tag: int) -> JSONResponse:
+async def get_version(request: Request, repo: str, tag: Tag) -> JSONResponse:
     state, tenant = await _caller(request)
     version = await run_in_threadpool(state.adapters.registry.get_version, tenant, repo, tag)
     return JSONResponse(version.to_api())
 
 
 @router.put("/v2/repos/{repo}/version/{tag}", **_doc(401, 404, body=SetArchived))
-async def set_archived(request: Request, repo: str, tag: int) -> JSONResponse:
+async def set_archived(request: Request, repo: str, tag: Tag) -> JSONResponse:
     state, tenant = await _caller(request)
     body: SetArchived = await _body(request, SetArchived)
     version = await run_in_threadpool(state.adapters.registry.set_archived, tenant, repo, tag, body.archived)
@@ -115,7 +117,7 @@ async def set_archived(request: Request, repo: str, tag: int) -> JSONResponse:
 
 
 @router.delete("/v2/repos/{repo}/version/{tag}", **_doc(401, 404, 422))
-async def delete_version(request: Request, repo: str, tag: int) -> Response:
+async def delete_version(request: Request, repo: str, tag: Tag) -> Response:
     state, tenant = await _caller(request)
     await run_in_threadpool(state.adapters.registry.delete_version, tenant, repo, tag)
     return JSONResponse({})
@@ -139,17 +141,30 @@ async def receive_upload_file(request: Request, upload_id: str, name: str, expir
     state = server_state(request)
     uploads = state.adapters.uploads(state.config, str(request.base_url))
     uploads.verify_upload_url(upload_id, name, expires, signature)
-    limit = state.config.max_upload_bytes
-    with tempfile.SpooledTemporaryFile(max_size=_SPOOL_BYTES) as spool:
-        size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise payload_too_large(limit)
-            spool.write(chunk)
-        spool.seek(0)
+    with await _spooled_body(request, state.config.max_upload_bytes) as spool:
         await run_in_threadpool(uploads.receive_file, upload_id, name, expires, signature, spool)
     return Response(status_code=200)
+
+
+async def _spooled_body(request: Request, limit_bytes: int) -> tempfile.SpooledTemporaryFile:
+    """The body, rewound, in memory or (past `_SPOOL_BYTES`) a temporary file; 413 past the limit,
+    at once when Content-Length says so."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit_bytes:
+        raise payload_too_large(limit_bytes)
+    spool = tempfile.SpooledTemporaryFile(max_size=_SPOOL_BYTES)
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit_bytes:
+                raise payload_too_large(limit_bytes)
+            spool.write(chunk)
+    except BaseException:
+        spool.close()
+        raise
+    spool.seek(0)
+    return spool
 
 
 @router.put("/v2/adapters/upload/", **_doc(401, 404, body=FinishUpload))

@@ -9,20 +9,24 @@ registry services of the routes (`adapter_services`), on the same blobs as the `
 """
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
 from lora_runtime import Engine
-from lora_runtime.adapters.manager import SourceResolver
+from lora_runtime.adapters.manager import AdapterRequest, SourceResolver
+from lora_runtime.adapters.merge import MergedAdapters
 from lora_runtime.adapters.peft_format import load_peft_adapter
 from lora_runtime.adapters.refs import AdapterRef, LocalSource
 from lora_runtime.adapters.sources.download import AdapterStore
+from lora_runtime.adapters.sources.ids import infer_source, parse_pbase_id
 from lora_runtime.adapters.sources.s3 import S3Config
-from lora_runtime.errors import AdapterUnavailableError, ValidationError
+from lora_runtime.errors import AdapterNotFoundError, AdapterUnavailableError, ValidationError
 from server.config import ServerConfig
 from server.db import Database
 from server.registry.blobs import BlobStore, LocalBlobStore, S3BlobStore
+from server.registry.errors import VersionNotFoundError
 from server.registry.models import RegistryBase
 from server.registry.service import AdapterRegistry
 from server.registry.signing import UrlSigner
@@ -103,6 +107,27 @@ class AdapterServices:
 
     registry: AdapterRegistry
     signer: UrlSigner
+
+    def with_current_versions(self, request: AdapterRequest | None) -> AdapterRequest | None:
+        """`request` keyed by the blob ids of the pbase versions it names, read now: a deleted
+        version is not found even while its weights are cached, and a repo deleted and created
+        again never serves the old weights under the same `repo/N`. Blocks (database)."""
+        if request is None:
+            return None
+        adapter = request.adapter
+        if isinstance(adapter, MergedAdapters):
+            pbase_ids = [adapter_id for adapter_id in adapter.ids if infer_source(adapter_id) == "pbase"]
+        else:
+            pbase_ids = [adapter.adapter_id] if adapter.source == "pbase" else []
+        blob_ids = [self._blob_id(request.scope, adapter_id) for adapter_id in pbase_ids]
+        return dataclasses.replace(request, version_key=",".join(blob_ids)) if blob_ids else request
+
+    def _blob_id(self, tenant: str, adapter_id: str) -> str:
+        parsed = parse_pbase_id(adapter_id)
+        try:
+            return self.registry.get_version(tenant, parsed.repo, parsed.version).blob_id
+        except VersionNotFoundError:
+            raise AdapterNotFoundError(f"adapter {adapter_id!r} not found") from None
 
     def uploads(self, config: ServerConfig, base_url: str) -> UploadService:
         """The upload service, its URLs starting with `config.public_url`, else `base_url`."""

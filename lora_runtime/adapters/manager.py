@@ -42,6 +42,9 @@ class AdapterRequest:
     adapter: AdapterRef | MergedAdapters
     api_token: str | None = None
     scope: str = ""
+    # What a mutable id names right now (the server puts a pbase version's blob id here): the same id
+    # naming new content is a new key, so weights cached for the old content are never served for it.
+    version_key: str = ""
 
     @property
     def key(self) -> str:
@@ -49,8 +52,8 @@ class AdapterRequest:
         if isinstance(self.adapter, MergedAdapters):
             described = repr((self.adapter.ids, self.adapter.weights, self.adapter.merge_strategy,
                               self.adapter.density, self.adapter.majority_sign_method))
-            return f"merge:{self.scope}:{credential}:{described}"
-        return f"{self.adapter.source}:{self.scope}:{credential}:{self.adapter.adapter_id}"
+            return f"merge:{self.scope}:{credential}:{self.version_key}:{described}"
+        return f"{self.adapter.source}:{self.scope}:{credential}:{self.version_key}:{self.adapter.adapter_id}"
 
     @property
     def display_id(self) -> str:

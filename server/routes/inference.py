@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 
 from lora_runtime.adapters.manager import AdapterRequest
 from lora_runtime.core import RequestOutput, SamplingParams
@@ -74,6 +75,7 @@ async def _serve(request: Request, state: ServerState, tenant_id: str, deploymen
     identity = {"x-model-id": deployment.base_model, **adapter_headers(body.parameters)}
     try:
         params, adapter = _engine_arguments(body, state, tenant, is_stream)
+        adapter = await run_in_threadpool(state.adapters.with_current_versions, adapter)
         release = state.admission.acquire()
         is_owned_by_response = False
         try:

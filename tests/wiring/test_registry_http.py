@@ -116,3 +116,16 @@ def test_repo_and_version_routes(wired) -> None:
     assert httpx.delete(f"{live.base_url}/v2/repos/catalog", headers=headers).status_code == 200
     assert httpx.get(f"{live.base_url}/v2/repos/catalog", headers=headers).status_code == 404
     assert httpx.get(f"{live.base_url}/v2/repos").status_code == 401
+
+
+def test_deleted_versions_are_not_served_from_the_cache(wired, peft_oracle) -> None:
+    live, client = wired.live, _client(wired)
+    client.upload(wired.adapters["a"], "reborn")
+    assert _token_ids(wired.generate({"adapter_id": "reborn/1"})) == peft_oracle["a"]  # now cached
+    assert httpx.delete(f"{live.base_url}/v2/repos/reborn/version/1", headers=live.headers()).status_code == 200
+    gone = wired.generate({"adapter_id": "reborn/1"})
+    assert (gone.status_code, gone.json()["error_type"]) == (404, "adapter_not_found")
+    assert httpx.delete(f"{live.base_url}/v2/repos/reborn", headers=live.headers()).status_code == 200
+    client.upload(wired.adapters["b"], "reborn")  # a new repo of the same name: its version 1 again
+    adapter_b = _token_ids(wired.generate({"adapter_id": "org/adapter-b"}))
+    assert _token_ids(wired.generate({"adapter_id": "reborn/1"})) == adapter_b != peft_oracle["a"]

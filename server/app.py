@@ -22,6 +22,7 @@ from server.errors import install_error_handlers
 from server.metrics import ServerMetrics
 from server.protocol import (CompatRequest, ErrorResponse, GenerateRequest, GenerateResponse,
                              StreamResponse)
+from server.registry.uploads import UPLOAD_ROUTE
 from server.routes import control, inference, registry, service
 from server.state import ServerState
 
@@ -89,7 +90,8 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     for path, operations in document["paths"].items():
         for operation in operations.values():
-            if path != "/health":
+            # Signed upload URLs are their own authorization (API.md section 7).
+            if path != "/health" and not path.startswith(UPLOAD_ROUTE):
                 operation["security"] = [{"bearer": []}]
     app.openapi_schema = document
     return document

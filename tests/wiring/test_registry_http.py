@@ -129,3 +129,12 @@ def test_deleted_versions_are_not_served_from_the_cache(wired, peft_oracle) -> N
     client.upload(wired.adapters["b"], "reborn")  # a new repo of the same name: its version 1 again
     adapter_b = _token_ids(wired.generate({"adapter_id": "org/adapter-b"}))
     assert _token_ids(wired.generate({"adapter_id": "reborn/1"})) == adapter_b != peft_oracle["a"]
+
+
+def test_openapi_documents_the_registry_routes(wired) -> None:
+    paths = httpx.get(f"{wired.live.base_url}/openapi.json").json()["paths"]
+    assert {"/v2/repos", "/v2/repos/{name}", "/v2/repos/{repo}/version/{tag}", "/v2/adapters/upload",
+            "/v2/adapters/upload/"} <= set(paths)
+    signed = next(operations for path, operations in paths.items() if path.startswith("/v2/adapters/upload/files"))
+    assert "security" not in signed["put"]
+    assert paths["/v2/adapters/upload/"]["put"]["security"] == [{"bearer": []}]

@@ -111,8 +111,13 @@ class AsyncEngine:
         adapter_request = adapters.parse(adapter, api_token)
         if adapter_request is not None:
             # Hold the adapter loaded (one pin of our own) while the engine thread admits the request.
-            await asyncio.wrap_future(adapters.acquire(adapter_request))
-        future: concurrent.futures.Future[str] = concurrent.futures.Future()
+            load = adapters.acquire(adapter_request)
+            try:
+                await asyncio.wrap_future(load)
+            except asyncio.CancelledError:  # the client left while the adapter loaded
+                adapters.release_when_loaded(adapter_request.key, load)
+                raise
+        future: concurrent.futures.Future[RequestStream] = concurrent.futures.Future()
 
         def add() -> None:
             try:
@@ -123,11 +128,13 @@ class AsyncEngine:
             finally:
                 if adapter_request is not None:
                     adapters.release(adapter_request.key)
+            # The stream itself is handed over: a request may finish, and leave `_streams`, before
+            # the caller runs again.
             self._streams[new_id] = RequestStream(new_id, self)
-            future.set_result(new_id)
+            future.set_result(self._streams[new_id])
 
         self._commands.put(add)
-        return self._streams[await asyncio.wrap_future(future)]
+        return await asyncio.wrap_future(future)
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; safe from any thread, idempotent."""

@@ -1,12 +1,15 @@
 """`python -m server`: run the service, or manage tenants and tokens.
 
     python -m server [--host H] [--port P] [--data-dir DIR] [--deployments FILE] [--model DIR]
+                     [--hub-endpoint URL] [--s3-endpoint URL] [--adapter-dir DIR] ...
     python -m server tokens create --tenant NAME
     python -m server tenants list
 
 The only module that reads environment variables: `DATABASE_URL` (any SQLAlchemy URL; default
 SQLite in the data directory). On a first start with an empty database it creates tenant `demo`,
-prints its token once and writes it to `DIR/demo-token`.
+prints its token once and writes it to `DIR/demo-token`, and registers the demo adapters
+(`demo_adapters/<name>/`) as its repos `<name>` version 1. S3 credentials come from the standard AWS
+configuration chain (boto3 reads its own environment variables and files).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from pathlib import Path
 
 from server.config import ServerConfig
 from server.db import Database, open_database
+from server.registry.models import RegistryBase
 from server.tenancy import create_tenant, create_token, list_tenants
 
 logger = logging.getLogger("server")
@@ -39,6 +43,22 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-in-flight", type=int, default=_DEFAULTS.max_in_flight)
     parser.add_argument("--max-body-bytes", type=int, default=_DEFAULTS.max_body_bytes)
     parser.add_argument("--shutdown-deadline", type=float, default=_DEFAULTS.shutdown_deadline_s)
+    adapters = parser.add_argument_group("adapters")
+    adapters.add_argument("--hub-endpoint", default=None,
+                          help="Hugging Face hub URL for hub adapters, e.g. https://huggingface.co "
+                               "(default: none; hub adapters answer 424)")
+    adapters.add_argument("--s3-endpoint", default=None,
+                          help="S3-compatible endpoint URL for s3 adapters (default: AWS)")
+    adapters.add_argument("--s3-region", default=None)
+    adapters.add_argument("--adapter-dir", type=Path, default=None,
+                          help="enables adapter_source 'local', ids relative to this directory")
+    adapters.add_argument("--registry-bucket", default=None,
+                          help="keep registry blobs in this S3 bucket (default: DIR/blobs)")
+    adapters.add_argument("--public-url", default=None,
+                          help="base URL of signed upload URLs (default: the URL the client used)")
+    adapters.add_argument("--max-upload-bytes", type=int, default=_DEFAULTS.max_upload_bytes)
+    adapters.add_argument("--demo-adapters", type=Path, default=_DEFAULTS.demo_adapters_dir,
+                          help="adapters registered for tenant demo on a first start")
     commands = parser.add_subparsers(dest="command")
     tokens = commands.add_parser("tokens").add_subparsers(dest="action", required=True)
     tokens.add_parser("create").add_argument("--tenant", required=True)
@@ -55,7 +75,12 @@ def _config(args: argparse.Namespace) -> ServerConfig:
                         database_url=os.environ.get("DATABASE_URL") or None,
                         deployments_file=deployments, max_in_flight=args.max_in_flight,
                         max_body_bytes=args.max_body_bytes,
-                        shutdown_deadline_s=args.shutdown_deadline)
+                        shutdown_deadline_s=args.shutdown_deadline,
+                        hub_endpoint=args.hub_endpoint, s3_endpoint=args.s3_endpoint,
+                        s3_region=args.s3_region, adapter_dir=args.adapter_dir,
+                        registry_bucket=args.registry_bucket, public_url=args.public_url,
+                        max_upload_bytes=args.max_upload_bytes,
+                        demo_adapters_dir=args.demo_adapters)
 
 
 def _create_token(database: Database, tenant: str) -> None:
@@ -77,29 +102,41 @@ def _ensure_demo_tenant(database: Database, data_dir: Path) -> str | None:
 
 def _serve(args: argparse.Namespace, config: ServerConfig, database: Database) -> None:
     from lora_runtime import Engine, EngineConfig
+    from lora_runtime.config import AdapterConfig
+    from server.adapter_sources import adapter_services, engine_adapter_sources
     from server.app import DrainingServer, create_app
+    from server.demo import register_demo_adapters
     from server.deployments import read_deployments_file, register_deployments
 
     demo_token = _ensure_demo_tenant(database, config.data_dir)
     options = (("model", args.model), ("dtype", args.dtype), ("device", args.device))
     engine_options = {key: value for key, value in options if value is not None}
-    engine = Engine.from_config(EngineConfig(**engine_options))
+    # Requests never name server paths: `local` is the configured adapter directory or nothing.
+    engine_config = EngineConfig(**engine_options, adapters=AdapterConfig(allow_local_paths=False))
+    engine = Engine.from_config(engine_config, adapter_sources=engine_adapter_sources(config, database))
     private = read_deployments_file(config.deployments_file) if config.deployments_file else []
     register_deployments(database, [engine.model_name], private)
+    adapters = adapter_services(config, database, engine)
     if demo_token is not None:
-        _announce_demo(config, engine.model_name, demo_token)
-    DrainingServer(create_app(config, engine, database), config).run()
+        names = register_demo_adapters(adapters.registry, config.demo_adapters_dir, DEMO_TENANT)
+        _announce_demo(config, engine.model_name, demo_token, names)
+    DrainingServer(create_app(config, engine, database, adapters), config).run()
 
 
-def _announce_demo(config: ServerConfig, model_name: str, token: str) -> None:
+def _announce_demo(config: ServerConfig, model_name: str, token: str, adapter_names: list[str]) -> None:
     # Shown once, on the terminal of whoever started the server: the token is not logged.
     token_file = config.data_dir / DEMO_TOKEN_FILE
     url = f"http://{config.host}:{config.port}/{DEMO_TENANT}/deployments/v2/llms/{model_name}/generate"
-    sys.stdout.write(
-        f"Created tenant '{DEMO_TENANT}'. Its token (also in {token_file}):\n  {token}\n"
-        f"Try:\n  curl -s {url} -H \"Authorization: Bearer $(cat {token_file})\" "
-        "-H 'Content-Type: application/json' "
-        "-d '{\"inputs\": \"A LoRA adapter is\", \"parameters\": {\"max_new_tokens\": 40}}'\n")
+    curl = f"  curl -s {url} -H \"Authorization: Bearer $(cat {token_file})\" -H 'Content-Type: application/json' "
+    lines = [f"Created tenant '{DEMO_TENANT}'. Its token (also in {token_file}):\n  {token}\n",
+             "Try:\n", curl + "-d '{\"inputs\": \"A LoRA adapter is\", \"parameters\": {\"max_new_tokens\": 40}}'\n"]
+    if adapter_names:
+        example = "french" if "french" in adapter_names else adapter_names[0]
+        lines += [f"Demo adapters (pbase repos of '{DEMO_TENANT}'): "
+                  + ", ".join(f"{name}/1" for name in adapter_names) + "\nWith an adapter:\n",
+                  curl + "-d '{\"inputs\": \"What is the capital of Italy?\", "
+                  f"\"parameters\": {{\"max_new_tokens\": 40, \"adapter_id\": \"{example}/1\"}}}}'\n"]
+    sys.stdout.write("".join(lines))
     sys.stdout.flush()
 
 
@@ -108,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     config = _config(args)
     config.data_dir.mkdir(parents=True, exist_ok=True)
-    database = open_database(config.resolved_database_url)
+    database = open_database(config.resolved_database_url, other_metadata=[RegistryBase.metadata])
     if args.command == "tokens":
         _create_token(database, args.tenant)
     elif args.command == "tenants":

@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from lora_runtime import AsyncEngine
+from server.adapter_sources import AdapterServices, adapter_services
 from server.bridge import Admission
 from server.config import ServerConfig
 from server.db import Database
@@ -21,7 +22,8 @@ from server.errors import install_error_handlers
 from server.metrics import ServerMetrics
 from server.protocol import (CompatRequest, ErrorResponse, GenerateRequest, GenerateResponse,
                              StreamResponse)
-from server.routes import control, inference, service
+from server.registry.uploads import UPLOAD_ROUTE
+from server.routes import control, inference, registry, service
 from server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -29,11 +31,14 @@ logger = logging.getLogger(__name__)
 _GRACE_MARGIN_S = 3
 
 
-def create_app(config: ServerConfig, engine, database: Database) -> FastAPI:
-    """The app serving `engine` (a `lora_runtime.Engine`); its lifespan runs one `AsyncEngine`."""
+def create_app(config: ServerConfig, engine, database: Database,
+               adapters: AdapterServices | None = None) -> FastAPI:
+    """The app serving `engine` (a `lora_runtime.Engine`); its lifespan runs one `AsyncEngine`.
+    `adapters` defaults to the registry that `config` describes (what `pbase` sources read)."""
     admission = Admission(config.max_in_flight, config.retry_after_s)
     state = ServerState(config=config, database=database, engine=engine, admission=admission,
-                        metrics=None)
+                        metrics=None,
+                        adapters=adapters or adapter_services(config, database, engine))
     state.metrics = ServerMetrics(lambda: state.async_engine and state.async_engine.stats(),
                                   lambda: admission.num_in_flight)
     app = FastAPI(title="LoRA serving", version="0.1.0", lifespan=_lifespan)
@@ -42,6 +47,7 @@ def create_app(config: ServerConfig, engine, database: Database) -> FastAPI:
     app.include_router(inference.router)
     app.include_router(service.router)
     app.include_router(control.router)
+    app.include_router(registry.router)
     app.openapi = lambda: _openapi(app)
     return app
 
@@ -84,7 +90,8 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     for path, operations in document["paths"].items():
         for operation in operations.values():
-            if path != "/health":
+            # Signed upload URLs are their own authorization (API.md section 7).
+            if path != "/health" and not path.startswith(UPLOAD_ROUTE):
                 operation["security"] = [{"bearer": []}]
     app.openapi_schema = document
     return document

@@ -4,18 +4,25 @@
     client = Client("http://127.0.0.1:8080", token, tenant="demo", deployment="smollm2-135m-instruct")
     client.generate("Hello", max_new_tokens=8).generated_text
     for chunk in client.generate_stream("Hello"): ...
+    version = client.upload("./my-adapter", "my-repo")  # then adapter_id=version.adapter_id
 
 Failures raise `ApiError` subclasses carrying `status` and `error_type`.
 """
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 
+from lora_runtime.adapters.sources.download import ADAPTER_FILES
 from server.protocol import GenerateResponse, StreamResponse
+
+_CHECKPOINT_DIR = re.compile(r"checkpoint-[0-9]{1,9}")
 
 
 class ApiError(Exception):
@@ -73,9 +80,43 @@ def _chunk_of(line: str) -> StreamResponse | None:
     return StreamResponse.model_validate(payload)
 
 
+@dataclass(frozen=True, slots=True)
+class AdapterVersion:
+    """A version created by `upload`: generate with `adapter_id` (`repo/tag`), or `repo/tag@N`
+    for one of its `checkpoints`."""
+
+    repo: str
+    tag: int
+    base_model: str
+    checkpoints: tuple[int, ...]
+
+    @property
+    def adapter_id(self) -> str:
+        return f"{self.repo}/{self.tag}"
+
+    @classmethod
+    def from_api(cls, payload: dict[str, Any]) -> AdapterVersion:
+        return cls(payload["repo"], int(payload["tag"]), payload.get("baseModel", ""),
+                   tuple(payload.get("checkpoints", ())))
+
+
+def upload_files(local_dir: str | Path) -> dict[str, Path]:
+    """What `upload` sends: the adapter files of `local_dir` and of its `checkpoint-<N>/`
+    subfolders (as `checkpoint-<N>/<file>`), nothing else (no optimizer states, no logs)."""
+    root = Path(local_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root} is not a directory")
+    files = {p.name: p for p in sorted(root.iterdir()) if p.name in ADAPTER_FILES and p.is_file()}
+    for checkpoint in sorted(p for p in root.iterdir() if p.is_dir() and _CHECKPOINT_DIR.fullmatch(p.name)):
+        files.update({f"{checkpoint.name}/{p.name}": p for p in sorted(checkpoint.iterdir())
+                      if p.name in ADAPTER_FILES and p.is_file()})
+    return files
+
+
 class _Base:
     def __init__(self, base_url: str, token: str, tenant: str, deployment: str,
                  timeout_s: float = 120.0) -> None:
+        self.base_url = base_url.rstrip("/")
         prefix = f"{base_url.rstrip('/')}/{tenant}/deployments/v2/llms/{deployment}"
         self.generate_url = prefix + "/generate"
         self.stream_url = prefix + "/generate_stream"
@@ -85,6 +126,10 @@ class _Base:
     @staticmethod
     def body(inputs: str, parameters: dict[str, Any]) -> dict[str, Any]:
         return {"inputs": inputs, "parameters": parameters}
+
+    @staticmethod
+    def upload_request(repo: str, description: str, files: dict[str, Path]) -> dict[str, Any]:
+        return {"repo": repo, "description": description, "files": sorted(files)}
 
 
 class Client(_Base):
@@ -108,6 +153,24 @@ class Client(_Base):
                         yield chunk
 
 
+    def upload(self, local_dir: str | Path, repo: str, description: str = "") -> AdapterVersion:
+        """Uploads an adapter directory as `repo`'s next version (the repo is created if missing)."""
+        files = upload_files(local_dir)
+        with httpx.Client(timeout=self.timeout_s) as http:
+            response = http.post(f"{self.base_url}/v2/adapters/upload", headers=self.headers,
+                                 json=self.upload_request(repo, description, files))
+            _raise_for(response, response.content)
+            started = response.json()
+            for name, path in files.items():
+                put = http.put(started["presignedUrls"][name], content=path.read_bytes(),
+                               headers=started.get("requiredHeaders") or {})
+                _raise_for(put, put.content)
+            response = http.put(f"{self.base_url}/v2/adapters/upload/", headers=self.headers,
+                                json={"uploadToken": started["uploadToken"]})
+        _raise_for(response, response.content)
+        return AdapterVersion.from_api(response.json())
+
+
 class AsyncClient(_Base):
     """The same calls for asyncio."""
 
@@ -127,3 +190,20 @@ class AsyncClient(_Base):
                     chunk = _chunk_of(line)
                     if chunk is not None:
                         yield chunk
+
+    async def upload(self, local_dir: str | Path, repo: str, description: str = "") -> AdapterVersion:
+        """Uploads an adapter directory as `repo`'s next version (the repo is created if missing)."""
+        files = upload_files(local_dir)
+        async with httpx.AsyncClient(timeout=self.timeout_s) as http:
+            response = await http.post(f"{self.base_url}/v2/adapters/upload", headers=self.headers,
+                                       json=self.upload_request(repo, description, files))
+            _raise_for(response, response.content)
+            started = response.json()
+            for name, path in files.items():
+                put = await http.put(started["presignedUrls"][name], content=path.read_bytes(),
+                                     headers=started.get("requiredHeaders") or {})
+                _raise_for(put, put.content)
+            response = await http.put(f"{self.base_url}/v2/adapters/upload/", headers=self.headers,
+                                      json={"uploadToken": started["uploadToken"]})
+        _raise_for(response, response.content)
+        return AdapterVersion.from_api(response.json())

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+# The adapters registered for tenant `demo` on a first start: `demo_adapters/<name>/` of this repo.
+DEFAULT_DEMO_ADAPTERS_DIR = Path(__file__).resolve().parents[1] / "demo_adapters"
+
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
@@ -12,6 +15,12 @@ class ServerConfig:
 
     `max_in_flight` bounds the requests admitted to the engine at once (past it: 429 at once);
     `max_body_bytes` bounds a request body (past it: 413 before the body is read whole).
+
+    Adapter sources (API.md section 3) come only from here, never from a request: `hub_endpoint`
+    (None: hub adapters answer 424 adapter_unavailable), `s3_endpoint` (None: AWS itself; the
+    credentials come from the standard AWS chain), `adapter_dir` (None: no `local` source).
+    The registry keeps blobs under `data_dir/blobs`, or in `registry_bucket` when set (on the same
+    S3 endpoint). Signed upload URLs start with `public_url`, else with the URL the client used.
     """
 
     host: str = "127.0.0.1"
@@ -26,6 +35,15 @@ class ServerConfig:
     keepalive_s: float = 15.0
     retry_after_s: int = 1
     shutdown_deadline_s: float = 30.0
+    hub_endpoint: str | None = None
+    s3_endpoint: str | None = None
+    s3_region: str | None = None
+    adapter_dir: Path | None = None
+    registry_bucket: str | None = None
+    public_url: str | None = None
+    max_upload_bytes: int = 2 * 1024**3
+    upload_url_ttl_s: int = 3600
+    demo_adapters_dir: Path | None = DEFAULT_DEMO_ADAPTERS_DIR
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1:

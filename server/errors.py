@@ -93,6 +93,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_request_validation(_: Request, error: RequestValidationError) -> JSONResponse:
         return error_response(validation(describe_validation_errors(error.errors())))
 
+    async def on_engine_error(request: Request, error: EngineError) -> JSONResponse:
+        # Registry and adapter failures raised by routes that are not the engine's own.
+        return error_response(from_engine_error(error, request.app.state.server.config.retry_after_s))
+
     async def on_unexpected(_: Request, error: Exception) -> JSONResponse:
         logger.exception("unhandled error", exc_info=error)
         return JSONResponse(error_body("internal", "internal server error"), 500)
@@ -100,6 +104,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, on_api_error)
     app.add_exception_handler(StarletteHTTPException, on_http_exception)
     app.add_exception_handler(RequestValidationError, on_request_validation)
+    app.add_exception_handler(EngineError, on_engine_error)
     app.add_exception_handler(Exception, on_unexpected)
 
 

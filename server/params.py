@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from typing import Any
 
+from lora_runtime.adapters.manager import AdapterRequest
+from lora_runtime.adapters.merge import MergedAdapters
+from lora_runtime.adapters.refs import AdapterRef, parse_adapter_ref
+from lora_runtime.adapters.sources.ids import infer_source
 from lora_runtime.core import SamplingParams
 from lora_runtime.errors import ValidationError
 from lora_runtime.sampling.schema import schema_from_response_format
 from server.config import ServerConfig
 from server.protocol import GenerateParameters
+from server.protocol import MergedAdapters as WireMergedAdapters
 
 _SAMPLING_FIELDS = frozenset(field.name for field in dataclasses.fields(SamplingParams))
 
@@ -87,22 +91,44 @@ def _refuse_unsupported(values: dict[str, Any]) -> None:
         raise ValidationError(name, "not supported by this engine yet")
 
 
-def adapter_reference(parameters: GenerateParameters | None) -> None:
-    """The adapter the request asks for, in the form the engine's `add_request(adapter=...)` takes.
+def adapter_reference(parameters: GenerateParameters | None, tenant: str) -> AdapterRequest | None:
+    """The adapter the request asks for, as the engine's `add_request(adapter=...)` takes it.
 
-    The single place where adapter fields become the engine's adapter argument. No adapter support
-    in the engine yet: a request naming one is refused; none named means the base model (None).
+    The single place where the wire's adapter fields become the engine's adapter argument (API.md
+    section 3): None for the base model; otherwise an `AdapterRequest` scoped to the caller's
+    `tenant`, so `pbase` ids resolve in that tenant only. The hub token travels only with requests
+    that may reach the hub. Raises `ValidationError` naming the field.
     """
     if parameters is None:
         return None
-    if parameters.merged_adapters is not None:
-        raise ValidationError("merged_adapters", "adapters are not supported by this engine yet")
-    if parameters.adapter_id:
-        raise ValidationError("adapter_id", "adapters are not supported by this engine yet")
-    return None
+    merged = parameters.merged_adapters
+    if merged is not None and parameters.adapter_id:
+        raise ValidationError("merged_adapters", "send either adapter_id or merged_adapters, not both")
+    if merged is not None:
+        return AdapterRequest(_merged_adapters(merged), parameters.api_token, tenant)
+    if not parameters.adapter_id:
+        return None
+    ref = _parse_ref(parameters.adapter_id, parameters.adapter_source)
+    return AdapterRequest(ref, parameters.api_token if ref.source == "hub" else None, tenant)
 
 
-_PBASE_ID = re.compile(r"^[^/]+/\d+(@\d+)?$")
+def _parse_ref(adapter_id: str, adapter_source: str | None) -> AdapterRef:
+    # `local` only when asked for by name: the engine's local source refuses it unless the operator
+    # configured an adapter directory.
+    return parse_adapter_ref(adapter_id, adapter_source or None, allow_local=adapter_source == "local")
+
+
+def _merged_adapters(merged: WireMergedAdapters) -> MergedAdapters:
+    for adapter_id in merged.ids:
+        try:
+            _parse_ref(adapter_id, None)
+        except ValidationError as error:
+            raise ValidationError("merged_adapters.ids", error.message) from None
+    described = {"merge_strategy": merged.merge_strategy, "density": merged.density,
+                 "majority_sign_method": merged.majority_sign_method}
+    return MergedAdapters(ids=tuple(merged.ids),
+                          weights=None if merged.weights is None else tuple(merged.weights),
+                          **{name: value for name, value in described.items() if value is not None})
 
 
 def adapter_headers(parameters: GenerateParameters | None) -> dict[str, str]:
@@ -112,10 +138,4 @@ def adapter_headers(parameters: GenerateParameters | None) -> dict[str, str]:
     if parameters is None or not parameters.adapter_id:
         return {"x-adapter-id": "", "x-adapter-source": "base"}
     return {"x-adapter-id": parameters.adapter_id,
-            "x-adapter-source": parameters.adapter_source or _inferred_source(parameters.adapter_id)}
-
-
-def _inferred_source(adapter_id: str) -> str:
-    if adapter_id.startswith("s3://"):
-        return "s3"
-    return "pbase" if _PBASE_ID.match(adapter_id) else "hub"
+            "x-adapter-source": parameters.adapter_source or infer_source(parameters.adapter_id)}

@@ -1,4 +1,5 @@
-"""What the routes share: configuration, database, the engine bridge, admission and metrics."""
+"""What the routes share: configuration, database, the engine bridge, admission, metrics and the
+adapter registry services."""
 from __future__ import annotations
 
 import asyncio
@@ -8,6 +9,7 @@ from starlette.requests import HTTPConnection
 
 from lora_runtime import AsyncEngine, Engine
 
+from server.adapter_sources import AdapterServices
 from server.bridge import Admission
 from server.config import ServerConfig
 from server.db import Database
@@ -21,6 +23,7 @@ class ServerState:
     engine: Engine
     admission: Admission
     metrics: ServerMetrics | None
+    adapters: AdapterServices
     async_engine: AsyncEngine | None = None  # set when the app starts
     loop: asyncio.AbstractEventLoop | None = None  # the app's event loop, set when it starts
 

@@ -44,6 +44,9 @@ class AdapterRequest:
     adapter: AdapterRef | MergedAdapters
     api_token: str | None = None
     scope: str = ""
+    # What a mutable id names right now (the server puts a pbase version's blob id here): the same id
+    # naming new content is a new key, so weights cached for the old content are never served for it.
+    version_key: str = ""
 
     @property
     def key(self) -> str:
@@ -51,8 +54,8 @@ class AdapterRequest:
         if isinstance(self.adapter, MergedAdapters):
             described = repr((self.adapter.ids, self.adapter.weights, self.adapter.merge_strategy,
                               self.adapter.density, self.adapter.majority_sign_method))
-            return f"merge:{self.scope}:{credential}:{described}"
-        return f"{self.adapter.source}:{self.scope}:{credential}:{self.adapter.adapter_id}"
+            return f"merge:{self.scope}:{credential}:{self.version_key}:{described}"
+        return f"{self.adapter.source}:{self.scope}:{credential}:{self.version_key}:{self.adapter.adapter_id}"
 
     @property
     def display_id(self) -> str:
@@ -91,14 +94,16 @@ class AdapterManager:
         if adapter is None or adapter == "":
             return None
         if isinstance(adapter, AdapterRequest):
-            return adapter
-        if isinstance(adapter, str):
-            adapter = parse_adapter_ref(adapter, allow_local=self.config.allow_local_paths)
-        if not isinstance(adapter, (AdapterRef, MergedAdapters)):
-            raise ValidationError("adapter_id", f"unsupported adapter reference {type(adapter).__name__}")
-        if isinstance(adapter, AdapterRef) and adapter.source not in self.sources:
-            raise ValidationError("adapter_source", f"source {adapter.source!r} is not configured")
-        return AdapterRequest(adapter, api_token, scope)
+            request = adapter
+        else:
+            if isinstance(adapter, str):
+                adapter = parse_adapter_ref(adapter, allow_local=self.config.allow_local_paths)
+            if not isinstance(adapter, (AdapterRef, MergedAdapters)):
+                raise ValidationError("adapter_id", f"unsupported adapter reference {type(adapter).__name__}")
+            request = AdapterRequest(adapter, api_token, scope)
+        if isinstance(request.adapter, AdapterRef) and request.adapter.source not in self.sources:
+            raise ValidationError("adapter_source", f"source {request.adapter.source!r} is not configured")
+        return request
 
     def acquire(self, request: AdapterRequest) -> Future[LoraWeights]:
         """Start (or join) the load of the request's adapter and pin it for one user; the caller

@@ -51,6 +51,8 @@ class VersionInfo:
             "createdAt": self.created_at.isoformat(),
             "createdBy": self.created_by,
             "checkpoints": list(self.checkpoints),
+            # The predibase SDK's `adapters.get` waits on any other status (a fine-tuning job).
+            "status": "completed",
         }
 
 

@@ -11,7 +11,9 @@ from collections.abc import Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 
+from lora_runtime.adapters.manager import AdapterRequest
 from lora_runtime.core import RequestOutput, SamplingParams
 from lora_runtime.errors import EngineError, ValidationError
 from server.auth import authorize_tenant
@@ -72,11 +74,13 @@ async def _serve(request: Request, state: ServerState, tenant_id: str, deploymen
     is_stream = mode is Mode.STREAM or (mode is Mode.COMPAT and bool(body.stream))
     identity = {"x-model-id": deployment.base_model, **adapter_headers(body.parameters)}
     try:
-        params, adapter = _engine_arguments(body, state, is_stream)
+        params, adapter = _engine_arguments(body, state, tenant, is_stream)
+        adapter = await run_in_threadpool(state.adapters.with_current_versions, adapter)
         release = state.admission.acquire()
         is_owned_by_response = False
         try:
-            stream = await state.async_engine.add_request(body.inputs, params, adapter=adapter)
+            stream = await state.async_engine.add_request(body.inputs, params, adapter=adapter,
+                                                          api_token=adapter and adapter.api_token)
             timing = Timing(received, time.monotonic())
             if not is_stream:
                 return await _complete(request, stream, body.inputs, params, state, timing,
@@ -92,13 +96,13 @@ async def _serve(request: Request, state: ServerState, tenant_id: str, deploymen
         raise from_engine_error(error, state.config.retry_after_s) from None
 
 
-def _engine_arguments(body: GenerateRequest, state: ServerState,
-                      is_stream: bool) -> tuple[SamplingParams, object]:
+def _engine_arguments(body: GenerateRequest, state: ServerState, tenant: str,
+                      is_stream: bool) -> tuple[SamplingParams, AdapterRequest | None]:
     """The engine's parameters and adapter argument; raises EngineError (422) on refusal."""
     if not body.inputs:
         raise ValidationError("inputs", "must not be empty")
     params = to_sampling_params(body.parameters, state.config, is_stream)
-    return params, adapter_reference(body.parameters)
+    return params, adapter_reference(body.parameters, tenant)
 
 
 async def _stream_response(stream, inputs: str, params: SamplingParams, state: ServerState,

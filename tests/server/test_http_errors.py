@@ -66,7 +66,7 @@ def test_the_token_is_never_echoed_or_logged(live, caplog) -> None:
     (b'{"inputs": "hi", "parameters": {"stop": ["a", "b", "c", "d", "e"]}}', 422, "validation", "stop"),
     (b'{"inputs": "hi", "parameters": {"best_of": 2}}', 422, "validation", "best_of"),
     (b'{"inputs": "hi", "parameters": {"seed": -1}}', 422, "validation", "seed"),
-    (b'{"inputs": "hi", "parameters": {"adapter_id": "repo/1"}}', 422, "validation", "adapter_id"),
+    (b'{"inputs": "hi", "parameters": {"adapter_id": "../repo/1"}}', 422, "validation", "adapter_id"),
 ])
 def test_malformed_bodies_and_bad_values(live, content: bytes, status: int, error_type: str,
                                          names: str) -> None:

@@ -8,6 +8,8 @@ import pytest
 from lora_runtime.core import SamplingParams
 from lora_runtime.errors import ValidationError
 from server.config import ServerConfig
+from lora_runtime.adapters import AdapterRef, MergedAdapters
+from lora_runtime.adapters.manager import AdapterRequest
 from server.params import adapter_headers, adapter_reference, to_sampling_params
 from server.protocol import GenerateParameters
 
@@ -80,13 +82,40 @@ def test_a_parameter_the_engine_lacks_is_refused_by_name_not_ignored() -> None:
     assert params({"apply_chat_template": False}) == SamplingParams()
 
 
-def test_adapter_fields_are_refused_until_the_engine_takes_adapters() -> None:
-    assert adapter_reference(GenerateParameters.model_validate({"adapter_id": ""})) is None
-    for body, field in (({"adapter_id": "repo/1"}, "adapter_id"),
-                        ({"merged_adapters": {"ids": ["a/1", "b/1"]}}, "merged_adapters")):
-        with pytest.raises(ValidationError) as refused:
-            adapter_reference(GenerateParameters.model_validate(body))
-        assert refused.value.field == field
+def _adapter(body: dict, tenant: str = "acme"):
+    return adapter_reference(GenerateParameters.model_validate(body), tenant)
+
+
+def test_adapter_fields_become_a_tenant_scoped_adapter_request() -> None:
+    assert _adapter({"adapter_id": ""}) is None and _adapter({}) is None
+    pbase = _adapter({"adapter_id": "repo/1@3", "api_token": "hf_x"})
+    assert pbase == AdapterRequest(AdapterRef("pbase", "repo/1@3", "repo", 1, "3"), None, "acme")
+    hub = _adapter({"adapter_id": "org/name@v2", "api_token": "hf_x"}, tenant="other")
+    assert hub == AdapterRequest(AdapterRef("hub", "org/name@v2", "org/name", revision="v2"), "hf_x", "other")
+    s3 = _adapter({"adapter_id": "bucket/prefix", "adapter_source": "s3"})
+    assert s3.adapter == AdapterRef("s3", "bucket/prefix", "bucket/prefix") and s3.api_token is None
+    assert _adapter({"adapter_id": "team/a", "adapter_source": "local"}).adapter.source == "local"
+    merged = _adapter({"merged_adapters": {"ids": ["a/1", "org/b"], "weights": [0.5, 2],
+                                           "merge_strategy": "ties", "density": 0.5}})
+    assert merged.adapter == MergedAdapters(("a/1", "org/b"), (0.5, 2.0), "ties", 0.5, "total")
+    assert pbase.key != _adapter({"adapter_id": "repo/1@3"}, tenant="other").key
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ({"adapter_id": "repo/1", "merged_adapters": {"ids": ["a/1"]}}, "merged_adapters"),
+    ({"adapter_id": "../x"}, "adapter_id"),
+    ({"adapter_id": "repo/1", "adapter_source": "ftp"}, "adapter_source"),
+    ({"merged_adapters": {"ids": []}}, "merged_adapters.ids"),
+    ({"merged_adapters": {"ids": ["a/1", "/etc"]}}, "merged_adapters.ids"),
+    ({"merged_adapters": {"ids": ["a/1", "b/1"], "weights": [1.0]}}, "merged_adapters.weights"),
+    ({"merged_adapters": {"ids": ["a/1"], "merge_strategy": "svd"}}, "merged_adapters.merge_strategy"),
+    ({"merged_adapters": {"ids": ["a/1"], "density": 0}}, "merged_adapters.density"),
+    ({"merged_adapters": {"ids": ["a/1"], "majority_sign_method": "max"}}, "merged_adapters.majority_sign_method"),
+])
+def test_bad_adapter_fields_are_refused_naming_the_field(body: dict, field: str) -> None:
+    with pytest.raises(ValidationError) as refused:
+        _adapter(body)
+    assert refused.value.field == field
 
 
 @pytest.mark.parametrize(("body", "adapter_id", "source"), [

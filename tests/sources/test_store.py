@@ -30,6 +30,7 @@ def test_source_inference(adapter_id: str, source: str) -> None:
 
 def test_parsers() -> None:
     assert parse_hub_id("org/name@refs/pr/1") == HubId("org/name", "refs/pr/1")
+    assert parse_hub_id("gpt2@main") == HubId("gpt2", "main")  # root-level hub repos have no org
     assert parse_pbase_id("news/12@3") == PbaseId("news", 12, 3)
     assert parse_s3_id("s3://my.bucket/a/1/") == S3Id("my.bucket", "a/1")
     assert parse_s3_id("my-bucket/a") == S3Id("my-bucket", "a")

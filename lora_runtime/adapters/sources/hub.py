@@ -57,7 +57,8 @@ class HubSource:
         token: str | bool = api_token or False  # False: anonymous, never a token saved on this machine
         try:
             commit, files = self._list_adapter_files(hub_id, token)
-            key = ("hub", *hub_id.repo_id.split("/"), commit)
+            # Root-level repos ("gpt2") get their own top directory: no org's repo can collide.
+            key = ("hub", *hub_id.repo_id.split("/"), commit) if "/" in hub_id.repo_id else ("hub-root", hub_id.repo_id, commit)
             return self.store.fetch(key, ref, lambda staging: self._download(hub_id, commit, files, token, staging))
         except (HfHubHTTPError, httpx2.HTTPError, OSError) as error:
             logger.warning("hub fetch of %r failed: %s", ref, error)

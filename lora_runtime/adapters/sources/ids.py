@@ -15,7 +15,8 @@ MAX_ADAPTER_ID_CHARS = 256
 
 # A name part: starts with an alphanumeric, then alphanumerics, `.`, `_`, `-`; never `..` inside.
 _NAME = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,95})"
-_HUB_ID = re.compile(rf"(?P<org>{_NAME})/(?P<name>{_NAME})(?:@(?P<revision>[A-Za-z0-9][A-Za-z0-9._/-]{{0,127}}))?")
+# The organization is optional: the hub also has root-level models ("gpt2").
+_HUB_ID = re.compile(rf"(?:(?P<org>{_NAME})/)?(?P<name>{_NAME})(?:@(?P<revision>[A-Za-z0-9][A-Za-z0-9._/-]{{0,127}}))?")
 _PBASE_ID = re.compile(rf"(?P<repo>{_NAME})/(?P<version>[1-9][0-9]{{0,8}})(?:@(?P<checkpoint>[0-9]{{1,9}}))?")
 # S3 bucket names: 3-63 lowercase letters, digits, `.` and `-` (AWS naming rules, simplified).
 _S3_ID = re.compile(
@@ -26,7 +27,7 @@ _PBASE_FORM = re.compile(r"[^/@]+/[0-9]+(?:@[0-9]+)?")
 
 @dataclass(frozen=True, slots=True)
 class HubId:
-    repo_id: str  # "org/name"
+    repo_id: str  # "org/name" (or "name")
     revision: str | None
 
 
@@ -43,20 +44,30 @@ class S3Id:
     prefix: str  # never ends with "/"
 
 
-def _checked(adapter_id: str) -> str:
-    if not adapter_id or len(adapter_id) > MAX_ADAPTER_ID_CHARS:
-        raise ValidationError("adapter_id", f"must be 1 to {MAX_ADAPTER_ID_CHARS} characters")
-    if "\\" in adapter_id or ".." in adapter_id or adapter_id.startswith("/"):
-        raise ValidationError("adapter_id", "must not contain '..', '\\' or start with '/'")
+def check_common(adapter_id: object) -> str:
+    """What every id must be, local paths included: a bounded string without backslashes or
+    control characters."""
+    if not isinstance(adapter_id, str) or not adapter_id or len(adapter_id) > MAX_ADAPTER_ID_CHARS:
+        raise ValidationError("adapter_id", f"must be a string of 1 to {MAX_ADAPTER_ID_CHARS} characters")
+    if "\\" in adapter_id or any(ord(char) < 32 or ord(char) == 127 for char in adapter_id):
+        raise ValidationError("adapter_id", "must not contain backslashes or control characters")
+    return adapter_id
+
+
+def _checked(adapter_id: object) -> str:
+    """A remote id: it becomes store paths and URL segments, so it never names a way out."""
+    if ".." in check_common(adapter_id) or adapter_id.startswith("/"):
+        raise ValidationError("adapter_id", "must not contain '..' or start with '/'")
     return adapter_id
 
 
 def parse_hub_id(adapter_id: str) -> HubId:
-    """`org/name` or `org/name@revision` (a branch, tag or commit hash)."""
+    """`[org/]name` or `[org/]name@revision` (a branch, tag or commit hash)."""
     match = _HUB_ID.fullmatch(_checked(adapter_id))
     if match is None:
         raise ValidationError("adapter_id", "a hub adapter id is 'organization/name' or 'organization/name@revision'")
-    return HubId(repo_id=f"{match['org']}/{match['name']}", revision=match["revision"])
+    repo_id = match["name"] if match["org"] is None else f"{match['org']}/{match['name']}"
+    return HubId(repo_id=repo_id, revision=match["revision"])
 
 
 def parse_pbase_id(adapter_id: str) -> PbaseId:

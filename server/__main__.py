@@ -135,7 +135,9 @@ def _announce_demo(config: ServerConfig, model_name: str, token: str, adapter_na
         lines += [f"Demo adapters (pbase repos of '{DEMO_TENANT}'): "
                   + ", ".join(f"{name}/1" for name in adapter_names) + "\nWith an adapter:\n",
                   curl + "-d '{\"inputs\": \"What is the capital of Italy?\", "
-                  f"\"parameters\": {{\"max_new_tokens\": 40, \"adapter_id\": \"{example}/1\"}}}}'\n"]
+                  # The demo adapters were trained on chat-formatted prompts.
+                  f"\"parameters\": {{\"max_new_tokens\": 40, \"adapter_id\": \"{example}/1\", "
+                  "\"apply_chat_template\": true}}'\n"]
     sys.stdout.write("".join(lines))
     sys.stdout.flush()
 

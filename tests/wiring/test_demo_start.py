@@ -72,6 +72,7 @@ def test_first_start_registers_demo_adapters_and_prints_a_working_curl(tmp_path:
         assert response.status_code == 200, response.text
         assert response.headers["x-adapter-id"] == "french/1"
         assert response.headers["x-adapter-source"] == "pbase"
+        assert response.json()["generated_text"].strip(), "the printed example must produce text"
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(60)

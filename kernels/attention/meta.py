@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import tuning
+from kernels.attention.cpu_extension import decode_extension
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +25,15 @@ class DecodeBucket:
     token_rows: torch.Tensor  # [num_seqs] int64, row of each decode token in q
     block_idx: torch.Tensor  # [num_seqs * num_blocks] int64, cache blocks to gather, padding -> 0
     valid_mask: torch.Tensor  # [num_seqs, 1, 1, num_blocks * block_size] bool, key position < seq_len
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeSet:
+    """Every decode sequence at once, for the compiled CPU op that reads the cache in place."""
+
+    token_rows: torch.Tensor  # [num_seqs] int64
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +59,8 @@ class PagedAttentionMeta:
     decode_seq_idx: torch.Tensor  # [num_decode] int32, sequences with one new token (Triton decode)
     prefill_seq_idx: torch.Tensor  # [num_prefill] int32, sequences with several (Triton prefill)
     max_prefill_query_len: int
-    decode_buckets: tuple[DecodeBucket, ...]
+    decode_buckets: tuple[DecodeBucket, ...]  # empty when `decode_set` is used
+    decode_set: DecodeSet | None  # set when the compiled CPU decode op is available
     prefills: tuple[PrefillPlan, ...]
 
     @property
@@ -75,6 +86,7 @@ class PagedAttentionMeta:
         decode_seqs = [b for b, q in enumerate(q_lens) if q == 1]
         prefill_seqs = [b for b, q in enumerate(q_lens) if q > 1]
         device = block_tables.device
+        use_set = device.type == "cpu" and tuning.CPU_DECODE_EXTENSION and decode_extension() is not None
         return cls(
             query_start_loc=query_start_loc.to(device, torch.int32),
             seq_lens=seq_lens.to(device, torch.int32),
@@ -86,12 +98,21 @@ class PagedAttentionMeta:
             decode_seq_idx=torch.tensor(decode_seqs, dtype=torch.int32, device=device),
             prefill_seq_idx=torch.tensor(prefill_seqs, dtype=torch.int32, device=device),
             max_prefill_query_len=max((q_lens[b] for b in prefill_seqs), default=0),
-            decode_buckets=_decode_buckets(decode_seqs, starts, lens, tables_cpu, block_size, device),
+            decode_buckets=() if use_set else _decode_buckets(decode_seqs, starts, lens, tables_cpu, block_size, device),
+            decode_set=_decode_set(decode_seqs, starts, lens, tables_cpu) if use_set and decode_seqs else None,
             prefills=tuple(
                 _prefill_plan(starts[b], starts[b + 1], lens[b], tables_cpu[b], block_size, device)
                 for b in prefill_seqs
             ),
         )
+
+
+def _decode_set(seqs: list[int], starts: list[int], lens: list[int], tables: torch.Tensor) -> DecodeSet:
+    return DecodeSet(
+        token_rows=torch.tensor([starts[b] for b in seqs], dtype=torch.int64),
+        block_tables=tables[seqs].to(torch.int32).contiguous(),
+        seq_lens=torch.tensor([lens[b] for b in seqs], dtype=torch.int32),
+    )
 
 
 def _decode_buckets(

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import tuning
+from kernels.attention.cpu_extension import decode_extension
 from kernels.attention.meta import DecodeBucket, PagedAttentionMeta, PrefillPlan
 
 
@@ -38,6 +39,10 @@ def paged_attention_torch(
 ) -> torch.Tensor:
     """q [T, num_heads, D], caches [num_blocks, block_size, num_kv_heads, D] -> out [T, num_heads, D]."""
     out = torch.empty_like(q)
+    if meta.decode_set is not None:
+        decode = meta.decode_set
+        decode_extension().paged_decode(q, k_cache, v_cache, decode.block_tables, decode.seq_lens,
+                                        decode.token_rows, scale, out)
     for bucket in meta.decode_buckets:
         _decode(q, k_cache, v_cache, bucket, scale, out)
     for plan in meta.prefills:

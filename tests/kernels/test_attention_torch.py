@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import reference
+from kernels import reference, tuning
 from tests.kernels.factories import dense_causal_attention, scattered_paged_batch
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-2, torch.bfloat16: 3e-2}
@@ -46,8 +46,9 @@ def test_paged_attention_matches_dense(dtype, heads, q_lens, seq_lens) -> None:
         torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
-def test_decode_rows_out_of_order_and_interleaved() -> None:
-    """Decode tokens need not be contiguous in the flat batch."""
+def test_decode_rows_out_of_order_and_interleaved(monkeypatch) -> None:
+    """Decode tokens need not be contiguous in the flat batch (bucketed PyTorch decode path)."""
+    monkeypatch.setattr(tuning, "CPU_DECODE_EXTENSION", False)
     gen = torch.Generator().manual_seed(3)
     q, k_cache, v_cache, meta = scattered_paged_batch([1, 4, 1, 2, 1], [50, 4, 7, 12, 2], 6, 2, 8, 4, torch.float32, gen)
     assert len(meta.decode_buckets) == 1
@@ -55,7 +56,8 @@ def test_decode_rows_out_of_order_and_interleaved() -> None:
     torch.testing.assert_close(kernels.paged_attention(q, k_cache, v_cache, meta, 0.3).double(), expected, atol=1e-4, rtol=1e-4)
 
 
-def test_many_decode_sequences_span_several_buckets() -> None:
+def test_many_decode_sequences_span_several_buckets(monkeypatch) -> None:
+    monkeypatch.setattr(tuning, "CPU_DECODE_EXTENSION", False)
     gen = torch.Generator().manual_seed(4)
     seq_lens = torch.randint(1, 60, (30,), generator=gen).tolist()
     q_lens = [1] * 30

@@ -29,6 +29,7 @@ def decode_extension() -> ModuleType | None:
     scripts = str(Path(sys.executable).parent)
     if scripts not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+    logger.info("loading the CPU paged-decode op (built once per machine, then cached)")
     try:
         return load(name="lora_serve_paged_decode_cpu", sources=[str(_SOURCE)],
                     extra_cflags=["-O3", "-march=native", "-ffast-math"], verbose=False)

@@ -14,11 +14,11 @@ import tempfile
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from lora_runtime.adapters.sources.download import copy_bounded
 from lora_runtime.adapters.sources.s3 import S3Config, make_s3_client
 from server.registry.errors import PayloadTooLargeError
 
 _KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(?:/[A-Za-z0-9][A-Za-z0-9._-]*)*")
-_COPY_CHUNK_BYTES = 1 << 20
 
 
 def check_key(key: str) -> str:
@@ -28,15 +28,8 @@ def check_key(key: str) -> str:
     return key
 
 
-def copy_bounded(source: BinaryIO, out: BinaryIO, max_bytes: int) -> int:
-    """Copies `source` into `out`; raises PayloadTooLargeError past `max_bytes`. Returns bytes copied."""
-    copied = 0
-    while chunk := source.read(_COPY_CHUNK_BYTES):
-        copied += len(chunk)
-        if copied > max_bytes:
-            raise PayloadTooLargeError(f"upload is larger than {max_bytes} bytes")
-        out.write(chunk)
-    return copied
+def _copy_upload(source: BinaryIO, out: BinaryIO, max_bytes: int) -> int:
+    return copy_bounded(source, out, max_bytes, lambda: PayloadTooLargeError(f"upload is larger than {max_bytes} bytes"))
 
 
 class BlobStore(abc.ABC):
@@ -83,7 +76,7 @@ class LocalBlobStore(BlobStore):
         # Write aside then rename: a reader never sees half a file, a failed upload leaves nothing.
         with tempfile.NamedTemporaryFile(dir=target.parent, prefix=".incoming-", delete=False) as out:
             try:
-                size = copy_bounded(stream, out, max_bytes)
+                size = _copy_upload(stream, out, max_bytes)
             except BaseException:
                 os.unlink(out.name)
                 raise
@@ -123,7 +116,7 @@ class S3BlobStore(BlobStore):
 
     def put_stream(self, key: str, stream: BinaryIO, max_bytes: int) -> int:
         with tempfile.TemporaryFile() as spool:
-            size = copy_bounded(stream, spool, max_bytes)
+            size = _copy_upload(stream, spool, max_bytes)
             spool.seek(0)
             self._client.upload_fileobj(spool, self.bucket, self._key(key))
         return size

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from lora_runtime.adapters.sources.ids import is_store_key_part
 from lora_runtime.errors import AdapterInvalidError
@@ -137,3 +138,18 @@ class AdapterStore:
             if not final.is_dir():
                 raise
             logger.debug("store key %s was published concurrently", final.name)
+
+
+_COPY_CHUNK_BYTES = 1 << 20
+
+
+def copy_bounded(source: BinaryIO, out: BinaryIO, max_bytes: int, too_large: Callable[[], Exception]) -> int:
+    """Copy `source` into `out` in chunks; raise `too_large()` as soon as more than `max_bytes`
+    arrive, so an oversized body is never read whole. Returns the bytes copied."""
+    copied = 0
+    while chunk := source.read(_COPY_CHUNK_BYTES):
+        copied += len(chunk)
+        if copied > max_bytes:
+            raise too_large()
+        out.write(chunk)
+    return copied

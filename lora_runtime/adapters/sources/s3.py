@@ -13,7 +13,7 @@ import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import boto3
 import botocore.loaders
@@ -21,7 +21,7 @@ import botocore.session
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
-from lora_runtime.adapters.sources.download import AdapterStore, RemoteFile, select_adapter_files
+from lora_runtime.adapters.sources.download import AdapterStore, RemoteFile, copy_bounded, select_adapter_files
 from lora_runtime.adapters.sources.ids import S3Id, parse_s3_id
 from lora_runtime.errors import (
     AdapterAccessError,
@@ -35,7 +35,6 @@ logger = logging.getLogger(__name__)
 
 _ACCESS_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403", "ExpiredToken"}
 _NOT_FOUND_CODES = {"NoSuchBucket", "NoSuchKey", "404"}
-_COPY_CHUNK_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +109,9 @@ class S3Source:
         for remote in files:
             body = self._client.get_object(Bucket=s3_id.bucket, Key=f"{s3_id.prefix}/{remote.name}")["Body"]
             with open(staging / remote.name, "wb") as out:
-                _copy_bounded(body, out, self.store.limits.max_total_bytes, remote.name)
+                limit = self.store.limits.max_total_bytes
+                copy_bounded(body, out, limit, lambda: AdapterInvalidError(
+                    f"adapter file {remote.name} is larger than {limit} bytes"))
 
 
 def _fingerprint(s3_id: S3Id, listing: list[tuple[RemoteFile, str]]) -> str:
@@ -119,15 +120,6 @@ def _fingerprint(s3_id: S3Id, listing: list[tuple[RemoteFile, str]]) -> str:
     for remote, etag in sorted(listing, key=lambda item: item[0].name):
         digest.update(f"\n{remote.name}\0{remote.size_bytes}\0{etag}".encode())
     return digest.hexdigest()[:40]
-
-
-def _copy_bounded(source: BinaryIO, out: BinaryIO, max_bytes: int, name: str) -> None:
-    copied = 0
-    while chunk := source.read(_COPY_CHUNK_BYTES):
-        copied += len(chunk)
-        if copied > max_bytes:
-            raise AdapterInvalidError(f"adapter file {name} is larger than {max_bytes} bytes")
-        out.write(chunk)
 
 
 def _typed_error(error: Exception, adapter_id: str) -> EngineError:

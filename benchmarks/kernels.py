@@ -6,7 +6,8 @@ LoRA: our `kernels.add_lora` against (a) a per-adapter Python loop (mask, gather
 scatter) and (b) per-token gather of the weights + bmm, over hidden sizes, ranks, batch sizes and
 adapter counts with uniform and skewed popularity, and its overhead as a fraction of the base
 projection's matmul, measured as (base matmul then add_lora) / (base matmul alone) - 1, with
-the minimum over interleaved rounds of each (see `make_timer`). Tokens are sorted by adapter, as the engine does. On CUDA the timings use
+the minimum over interleaved rounds of each (see `make_timer`). Tokens are sorted by adapter, as the engine does,
+and the adapters are held as the engine's pool holds them (fp32 on CPU, lora_b's output dimension contiguous). On CUDA the timings use
 `triton.testing.do_bench`, on CPU with `time.perf_counter`. Prints a table and writes JSON
 and a PNG plot to benchmarks/results/."""
 from __future__ import annotations
@@ -104,15 +105,15 @@ def adapter_loop(y, x, lora_a, lora_b, slots, scales) -> None:
     for slot in range(lora_a.shape[0]):
         rows = torch.nonzero(slots == slot).flatten()
         if rows.numel():
-            delta = (x.index_select(0, rows) @ lora_a[slot].T) @ lora_b[slot].T
-            y.index_add_(0, rows, delta * scales[slot])
+            delta = (x.index_select(0, rows).to(lora_a.dtype) @ lora_a[slot].T) @ lora_b[slot].T
+            y.index_add_(0, rows, (delta * scales[slot]).to(y.dtype))
 
 
 def gather_bmm(y, x, lora_a, lora_b, slots, scales) -> None:
     """Baseline (b): gather every token's weights, two batched matmuls."""
-    shrunk = torch.bmm(lora_a.index_select(0, slots), x.unsqueeze(-1))  # [T, R, 1]
+    shrunk = torch.bmm(lora_a.index_select(0, slots), x.to(lora_a.dtype).unsqueeze(-1))  # [T, R, 1]
     delta = torch.bmm(lora_b.index_select(0, slots), shrunk).squeeze(-1)  # [T, out]
-    y.add_(delta * scales.index_select(0, slots)[:, None])
+    y.add_((delta * scales.index_select(0, slots)[:, None]).to(y.dtype))
 
 
 def bench_lora_case(case: LoraCase, dtype: torch.dtype, device: torch.device, timer) -> dict:
@@ -120,9 +121,12 @@ def bench_lora_case(case: LoraCase, dtype: torch.dtype, device: torch.device, ti
     slots = token_slots(case, gen).to(device)
     x = torch.randn(case.num_tokens, case.hidden_in, generator=gen).to(device, dtype)
     weight = torch.randn(case.out, case.hidden_in, generator=gen).to(device, dtype) / case.hidden_in**0.5
-    lora_a = torch.randn(case.num_adapters, case.rank, case.hidden_in, generator=gen).to(device, dtype)
-    lora_b = torch.randn(case.num_adapters, case.out, case.rank, generator=gen).to(device, dtype)
-    scales = torch.full((case.num_adapters,), 0.5, device=device, dtype=dtype)
+    # The adapters as the engine's pool holds them: fp32 on CPU whatever the model's dtype (tiny
+    # 16-bit matmuls are slower there), lora_b stored [S, R, out] and used as its [S, out, R] view.
+    weight_dtype = torch.float32 if device.type == "cpu" else dtype
+    lora_a = torch.randn(case.num_adapters, case.rank, case.hidden_in, generator=gen).to(device, weight_dtype)
+    lora_b = torch.randn(case.num_adapters, case.rank, case.out, generator=gen).to(device, weight_dtype).transpose(1, 2)
+    scales = torch.full((case.num_adapters,), 0.5, device=device, dtype=weight_dtype)
     y = torch.zeros(case.num_tokens, case.out, device=device, dtype=dtype)
     meta = kernels.LoraBatchMeta.from_token_slots(slots, [case.rank] * case.num_adapters)
     linear = torch.nn.functional.linear

@@ -1,4 +1,5 @@
-"""The public entry points: pick the Triton kernels for CUDA tensors and the PyTorch paths for CPU.
+"""The public entry points: pick the Triton kernels for CUDA tensors and, on CPU, the compiled ops
+(`kernels.cpu_ops`) where they are built, else the PyTorch paths.
 
 Triton is never launched on CPU outside the interpreter (`TRITON_INTERPRET=1`): there it fails
 with "0 active drivers", so forcing it raises a clear error instead."""
@@ -9,7 +10,9 @@ from typing import Sequence
 
 import torch
 
+from kernels import reference
 from kernels.attention.meta import PagedAttentionMeta
+from kernels.cpu_ops import available_for, cpu_ops
 from kernels.attention.torch_ops import paged_attention_torch, store_kv_torch
 from kernels.lora.meta import LoraBatchMeta
 from kernels.lora.torch_ops import add_lora_torch
@@ -108,3 +111,67 @@ def paged_attention(
 
         return paged_attention_triton(q, k_cache, v_cache, meta, scale)
     return paged_attention_torch(q, k_cache, v_cache, meta, scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMS norm of x [rows, hidden]; with `residual`, `residual += x` first (in place) and the norm
+    reads the sum. Semantics: `kernels.reference.rms_norm`. Returns a new tensor."""
+    if available_for(x) and x.is_contiguous() and (residual is None or residual.is_contiguous()):
+        out = torch.empty_like(x)
+        if residual is None:
+            cpu_ops().rms_norm(out, x, weight, eps)
+        else:
+            cpu_ops().add_rms_norm(out, x, residual, weight, eps)
+        return out
+    return reference.rms_norm(x, weight, eps, residual)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [rows, 2 * width] -> silu(gate) * up [rows, width]."""
+    if available_for(gate_up) and gate_up.is_contiguous():
+        out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+        cpu_ops().silu_and_mul(out, gate_up)
+        return out
+    return reference.silu_and_mul(gate_up)
+
+
+def rotary_store_kv(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    backend: str | None = None,
+) -> None:
+    """Rotary embedding of the q and k heads of a fused projection's output, in place, then the
+    KV-cache write of the rotated keys and the values.
+
+    qkv: [T, (num_heads + 2 * num_kv_heads) * D] (q heads, k heads, v heads); positions: [T] int64;
+    cos, sin: [max_positions, D] tables in qkv's dtype; caches and slot_mapping as in `store_kv`.
+    Semantics: `kernels.reference.rotary_store_kv`.
+    """
+    if available_for(qkv) and backend != "triton":
+        cpu_ops().rotary_store_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
+        return
+    reference.rotate_qk(qkv, positions, cos, sin, num_heads, num_kv_heads)
+    _, k, v = reference.split_qkv(qkv, num_heads, num_kv_heads, cos.shape[1])
+    store_kv(k, v, k_cache, v_cache, slot_mapping, backend)
+
+
+def max_logsumexp(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """scores [rows, vocab] float32 -> (row maxima [rows], their first indices [rows] int64,
+    logsumexp of each row [rows]): greedy tokens and log-softmax normalisers in one pass.
+    Semantics: `kernels.reference.max_logsumexp`."""
+    rows = scores.shape[0]
+    if available_for(scores) and scores.is_contiguous() and scores.dtype == torch.float32 and scores.shape[1] > 0:
+        values, log_normaliser = scores.new_empty(rows), scores.new_empty(rows)
+        indices = torch.empty(rows, dtype=torch.int64)
+        cpu_ops().max_logsumexp(scores, values, indices, log_normaliser)
+        return values, indices, log_normaliser
+    values, indices = scores.max(dim=-1)
+    # Reusing the maxima: one exp-sum pass, about half the cost of a separate logsumexp.
+    return values, indices, values + (scores - values[:, None]).exp_().sum(dim=-1).log_()

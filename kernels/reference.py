@@ -128,3 +128,68 @@ def _causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     query_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
     scores = scores.masked_fill(torch.arange(seq_len)[None, :] > query_pos, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """weight * T(h * rsqrt(mean(h**2) + eps)) with h = x in fp32 and T = x.dtype (HF's roundings).
+
+    x [rows, hidden]. With `residual` [rows, hidden]: first `residual += x` in place, and the norm
+    reads that sum (the fused residual add of the decoder block). Returns a new tensor.
+    """
+    if residual is not None:
+        residual.add_(x)
+        x = residual
+    h = x.float()
+    normalised = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normalised.to(x.dtype)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [rows, 2 * width] -> silu(gate) * up [rows, width]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def rotate_qk(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+              num_kv_heads: int) -> None:
+    """In place: the first num_heads + num_kv_heads heads of qkv [T, (H + 2 * Hkv) * D] (q then k)
+    become x * cos[pos] + rotate_half(x) * sin[pos] (the Llama rotate-half layout), cos/sin [P, D]."""
+    head_dim = cos.shape[1]
+    qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].unflatten(-1, (num_heads + num_kv_heads, head_dim))
+    half = head_dim // 2
+    rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+    qk.copy_(qk * cos[positions].unsqueeze(1) + rotated * sin[positions].unsqueeze(1))
+
+
+def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, ...]:
+    """Views q [T, H, D], k [T, Hkv, D], v [T, Hkv, D] of a fused projection's output."""
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    return (
+        qkv[:, :q_size].unflatten(-1, (num_heads, head_dim)),
+        qkv[:, q_size : q_size + kv_size].unflatten(-1, (num_kv_heads, head_dim)),
+        qkv[:, q_size + kv_size :].unflatten(-1, (num_kv_heads, head_dim)),
+    )
+
+
+def rotary_store_kv(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    backend: str | None = None,
+) -> None:
+    """`rotate_qk` in place, then `store_kv` of the rotated keys and the values."""
+    rotate_qk(qkv, positions, cos, sin, num_heads, num_kv_heads)
+    _, k, v = split_qkv(qkv, num_heads, num_kv_heads, cos.shape[1])
+    store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+def max_logsumexp(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """scores [rows, vocab] float32 -> (row maxima, their first indices, row logsumexp)."""
+    values, indices = scores.max(dim=-1)
+    return values, indices, torch.logsumexp(scores, dim=-1)

@@ -28,10 +28,15 @@ def use_gathered_lora(weight_dtype: torch.dtype, num_active_tokens: int, num_seg
     )
 
 
-# CPU paged attention, decode: the compiled op (attention/cpu_extension.py) reads the cache in place,
-# 2x faster than the buckets below in bf16 (1.6 vs 3.3 ms per layer for the step described there).
-# The buckets serve where it cannot be built; tests switch it off to cover them.
-CPU_DECODE_EXTENSION = True
+# The compiled CPU ops (kernels/cpu_ops.py, kernels/csrc/): attention read in place from the paged
+# cache, the fused norms, SiLU-and-multiply, rotary + KV write. The PyTorch paths serve where they
+# cannot be built; tests switch them off to cover those paths.
+CPU_COMPILED_OPS = True
+# Prefills the compiled attention op takes: q_len * context_len at most this. Its work grows as
+# q_len * context in vector loops, the matmul path's as AMX matmuls plus ~0.3 ms of fixed Python
+# cost. One bf16 prompt, 9/3 heads, per layer, compiled vs matmul: 32 tokens 0.12 vs 0.36 ms,
+# 64: 0.33 vs 0.53, 96: 0.74 vs 0.78, 128: 1.24 vs 1.11, 192: 2.7 vs 1.9.
+COMPILED_PREFILL_MAX_WORK = 10_000
 
 # CPU paged attention: decode sequences per padded gather + attention call. 64 sequences of 20-150
 # tokens (head_dim 64, 9/3 heads): one bucket of 64 took 9-24 ms fp32 (1.9x padding, buffers so big

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from kernels.cpu_ops import cpu_ops
+
 from lora_runtime.adapters.manager import AdapterManager, SourceResolver
 from lora_runtime.adapters.weights import BaseModelShape
 from lora_runtime.best_of import BestOfGroup
@@ -76,6 +78,8 @@ class Engine:
             model_name = model_dir.name.lower()
         model = load_model(model_dir, config.dtype, config.device)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        if config.device == "cpu":
+            cpu_ops()  # built here on a machine's first start (about a minute), not in the first request
         return cls(config, model, tokenizer, model_name, adapter_sources)
 
     @property

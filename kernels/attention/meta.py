@@ -1,9 +1,11 @@
 """Per-step metadata for paged attention, built once per step and reused by every layer.
 
-It keeps the raw step tensors (for the Triton kernels) and a CPU plan: the decode sequences
-(one new token each), sorted by context length and cut into a few buckets, each bucket one padded
-block gather with a length mask; each prefill or chunked-prefill sequence with its own block gather
-and causal-offset mask. The per-layer work is then a few gathers and attention calls.
+It keeps the raw step tensors (for the Triton kernels and the compiled CPU op) and a CPU plan:
+- with the compiled op (`kernels.cpu_ops`): the sequences it attends in place (every decode, and the
+  prefills small enough, `tuning.COMPILED_PREFILL_MAX_WORK`); the larger prefills take the matmul path;
+- without it: the decode sequences sorted by context length and cut into a few buckets, each bucket
+  one padded block gather with a length mask; each prefill or chunked-prefill sequence with its own
+  block gather and causal-offset mask.
 
 Why buckets (measured, 64 decode sequences of 20-150 tokens, 1 thread): one padded batch gathers
 ~1.9x the needed keys into buffers so large that allocating them dominates; buckets of ~12
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import tuning
-from kernels.attention.cpu_extension import decode_extension
+from kernels import cpu_ops
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,15 +27,6 @@ class DecodeBucket:
     token_rows: torch.Tensor  # [num_seqs] int64, row of each decode token in q
     block_idx: torch.Tensor  # [num_seqs * num_blocks] int64, cache blocks to gather, padding -> 0
     valid_mask: torch.Tensor  # [num_seqs, 1, 1, num_blocks * block_size] bool, key position < seq_len
-
-
-@dataclass(frozen=True, slots=True)
-class DecodeSet:
-    """Every decode sequence at once, for the compiled CPU op that reads the cache in place."""
-
-    token_rows: torch.Tensor  # [num_seqs] int64
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
-    seq_lens: torch.Tensor  # [num_seqs] int32
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,9 +52,9 @@ class PagedAttentionMeta:
     decode_seq_idx: torch.Tensor  # [num_decode] int32, sequences with one new token (Triton decode)
     prefill_seq_idx: torch.Tensor  # [num_prefill] int32, sequences with several (Triton prefill)
     max_prefill_query_len: int
-    decode_buckets: tuple[DecodeBucket, ...]  # empty when `decode_set` is used
-    decode_set: DecodeSet | None  # set when the compiled CPU decode op is available
-    prefills: tuple[PrefillPlan, ...]
+    compiled_seqs: torch.Tensor | None  # [n] int64, sequences the compiled CPU op attends, if any
+    decode_buckets: tuple[DecodeBucket, ...]  # decodes on CPU without the compiled op
+    prefills: tuple[PrefillPlan, ...]  # prefills on CPU not taken by the compiled op
 
     @property
     def num_seqs(self) -> int:
@@ -86,11 +79,17 @@ class PagedAttentionMeta:
         decode_seqs = [b for b, q in enumerate(q_lens) if q == 1]
         prefill_seqs = [b for b, q in enumerate(q_lens) if q > 1]
         device = block_tables.device
-        use_set = device.type == "cpu" and tuning.CPU_DECODE_EXTENSION and decode_extension() is not None
+        compiled = cpu_ops.available_for(block_tables)
+        matmul_prefills = prefill_seqs
+        compiled_seqs = None
+        if compiled:
+            matmul_prefills = [b for b in prefill_seqs if q_lens[b] * lens[b] > tuning.COMPILED_PREFILL_MAX_WORK]
+            taken = sorted(set(decode_seqs + prefill_seqs) - set(matmul_prefills))
+            compiled_seqs = torch.tensor(taken, dtype=torch.int64) if taken else None
         return cls(
             query_start_loc=query_start_loc.to(device, torch.int32),
             seq_lens=seq_lens.to(device, torch.int32),
-            block_tables=block_tables.to(torch.int32),
+            block_tables=block_tables.to(torch.int32).contiguous(),
             block_size=block_size,
             num_tokens=starts[-1],
             max_query_len=max(q_lens, default=0),
@@ -98,21 +97,13 @@ class PagedAttentionMeta:
             decode_seq_idx=torch.tensor(decode_seqs, dtype=torch.int32, device=device),
             prefill_seq_idx=torch.tensor(prefill_seqs, dtype=torch.int32, device=device),
             max_prefill_query_len=max((q_lens[b] for b in prefill_seqs), default=0),
-            decode_buckets=() if use_set else _decode_buckets(decode_seqs, starts, lens, tables_cpu, block_size, device),
-            decode_set=_decode_set(decode_seqs, starts, lens, tables_cpu) if use_set and decode_seqs else None,
+            compiled_seqs=compiled_seqs,
+            decode_buckets=() if compiled else _decode_buckets(decode_seqs, starts, lens, tables_cpu, block_size, device),
             prefills=tuple(
                 _prefill_plan(starts[b], starts[b + 1], lens[b], tables_cpu[b], block_size, device)
-                for b in prefill_seqs
+                for b in matmul_prefills
             ),
         )
-
-
-def _decode_set(seqs: list[int], starts: list[int], lens: list[int], tables: torch.Tensor) -> DecodeSet:
-    return DecodeSet(
-        token_rows=torch.tensor([starts[b] for b in seqs], dtype=torch.int64),
-        block_tables=tables[seqs].to(torch.int32).contiguous(),
-        seq_lens=torch.tensor([lens[b] for b in seqs], dtype=torch.int32),
-    )
 
 
 def _decode_buckets(

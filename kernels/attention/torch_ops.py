@@ -1,6 +1,7 @@
 """Fast PyTorch paths of the KV-cache write and paged attention, used on CPU.
 
-Decode rows go through one padded block gather and one attention call per length bucket (see
+The compiled op (`kernels.cpu_ops`) attends the sequences the step's metadata gives it; the rest run
+here. Without it, decode rows go through one padded block gather and one attention call per length bucket (see
 `kernels.attention.meta`): the query heads that share a KV head are laid along the query-length
 axis ([num_seqs, kv_heads, group, D]), so KV heads are never repeated. Prefill sequences take one
 call each (or a few, by query chunks) of plain matmuls with a causal mask."""
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import tuning
-from kernels.attention.cpu_extension import decode_extension
+from kernels.cpu_ops import cpu_ops
 from kernels.attention.meta import DecodeBucket, PagedAttentionMeta, PrefillPlan
 
 
@@ -39,10 +40,9 @@ def paged_attention_torch(
 ) -> torch.Tensor:
     """q [T, num_heads, D], caches [num_blocks, block_size, num_kv_heads, D] -> out [T, num_heads, D]."""
     out = torch.empty_like(q)
-    if meta.decode_set is not None:
-        decode = meta.decode_set
-        decode_extension().paged_decode(q, k_cache, v_cache, decode.block_tables, decode.seq_lens,
-                                        decode.token_rows, scale, out)
+    if meta.compiled_seqs is not None:
+        cpu_ops().paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                  meta.compiled_seqs, scale, out)
     for bucket in meta.decode_buckets:
         _decode(q, k_cache, v_cache, bucket, scale, out)
     for plan in meta.prefills:

@@ -23,6 +23,7 @@ class LoraBatchMeta:
     segment_lengths: torch.Tensor  # [num_segments] int32
     segment_slots: torch.Tensor  # [num_segments] int32
     segments: tuple[tuple[int, int, int], ...]  # (start, end, slot) per active run
+    segment_table: torch.Tensor  # [num_segments, 3] int64 on CPU: (start, length, slot), for the compiled op
     active_token_idx: torch.Tensor  # [num_active_tokens] int64, tokens with a slot >= 0
     active_token_slots: torch.Tensor  # [num_active_tokens] int64
     max_segment_len: int
@@ -63,6 +64,7 @@ class LoraBatchMeta:
             segment_lengths=torch.tensor([e - s for s, e in zip(starts, ends)], dtype=torch.int32, device=device),
             segment_slots=torch.tensor(seg_slots, dtype=torch.int32, device=device),
             segments=tuple(segments),
+            segment_table=torch.tensor([(s, e - s, slot) for s, e, slot in segments], dtype=torch.int64).view(-1, 3),
             active_token_idx=active_idx.to(device),
             active_token_slots=slots_cpu[active_idx].to(device),
             max_segment_len=max((e - s for s, e in zip(starts, ends)), default=0),

@@ -1,7 +1,9 @@
-"""Fast PyTorch path of `add_lora`, used on CPU.
+"""Fast CPU paths of `add_lora`.
 
-On CPU the LoRA matmuls are tiny, so their cost is the number of calls, not their flops. Two
-layouts, picked per batch by `kernels.tuning`:
+On CPU the LoRA matmuls are tiny, so their cost is the number of calls, not their flops. With fp32
+weights whose lora_b has its output dimension contiguous (the engine's pool layout), the compiled
+op (`kernels/csrc/lora.cpp`) runs every segment in one call. Otherwise two PyTorch layouts, picked
+per batch by `kernels.tuning`:
 - segments: per run of tokens sharing a slot, one shrink `x[s:e] @ A^T` and one `addmm` per slice,
   with exact-rank views when the slot's rank is known (no work on the zero padding). Short runs
   are computed in fp32 whatever the inputs: tiny bf16 matmuls cost 2-5x more than fp32 ones on
@@ -16,6 +18,7 @@ from typing import Sequence
 import torch
 
 from kernels import tuning
+from kernels.cpu_ops import available_for, cpu_ops
 from kernels.lora.meta import LoraBatchMeta
 
 
@@ -37,6 +40,9 @@ def add_lora_torch(
         return
     offsets = _as_ints(slice_offsets) if slice_offsets is not None else [0, y.shape[1]]
     assert offsets[0] == 0 and offsets[-1] == y.shape[1], "slice_offsets must span y's columns"
+    if _compiled_applies(y, x, lora_a, lora_b):
+        _add_compiled(y, x, lora_a, lora_b, meta, scales, offsets)
+        return
     slot_scales = _as_floats(scales) if scales is not None else None
     if tuning.use_gathered_lora(lora_b.dtype, meta.num_active_tokens, meta.num_segments):
         _add_gathered(y, x.to(lora_a.dtype), lora_a, lora_b, meta, slot_scales, offsets)
@@ -51,6 +57,33 @@ def add_lora_torch(
     target = torch.zeros(y.shape, dtype=torch.float32, device=y.device)  # [T, total_out]
     _add_segments(target, x.float(), lora_a, lora_b, meta, segments, slot_scales, offsets)
     y.add_(target)
+
+
+def _compiled_applies(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> bool:
+    return (
+        available_for(y)
+        and x.dtype == y.dtype
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and lora_a.dtype == lora_b.dtype == torch.float32
+        and x.is_contiguous()
+        and y.is_contiguous()
+        and lora_a.stride(2) == 1
+        and lora_b.stride(1) == 1
+    )
+
+
+def _add_compiled(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    meta: LoraBatchMeta,
+    scales: torch.Tensor | Sequence[float] | None,
+    offsets: list[int],
+) -> None:
+    ranks = list(meta.slot_ranks) if meta.slot_ranks is not None else []
+    slot_scales = _as_floats(scales) if scales is not None else []
+    cpu_ops().lora_segments(y, x, lora_a, lora_b, meta.segment_table, ranks, offsets, slot_scales)
 
 
 def _is_native(dtype: torch.dtype, num_tokens: int) -> bool:

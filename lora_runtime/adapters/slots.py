@@ -76,9 +76,11 @@ class AdapterSlotPool:
                                   dtype=dtype, device=device)
                 for name, layout in self.layouts.items()
             })
+            # Stored [slots, rank, out] and used through its [slots, out, rank] view: the output
+            # dimension contiguous is the layout the compiled CPU LoRA op needs (kernels.add_lora).
             self._lora_b.append({
-                name: torch.zeros(num_slots, layout.slice_offsets[-1], max_rank,
-                                  dtype=dtype, device=device)
+                name: torch.zeros(num_slots, max_rank, layout.slice_offsets[-1],
+                                  dtype=dtype, device=device).transpose(1, 2)
                 for name, layout in self.layouts.items()
             })
         self._slice_offsets = {

@@ -1,1 +1,1 @@
-"""Building blocks of the model: normalisation, rotary embeddings, attention over the paged cache."""
+"""Building blocks of the model: the linear projection and the rotary tables."""

@@ -13,8 +13,7 @@ import torch.nn.functional as F
 import kernels
 from lora_runtime.forward_batch import ForwardBatch
 from lora_runtime.layers.linear import Linear
-from lora_runtime.layers.norm import rms_norm
-from lora_runtime.layers.rotary import RotaryEmbedding, apply_rotary
+from lora_runtime.layers.rotary import RotaryEmbedding
 from lora_runtime.models.architectures import ModelShape
 
 
@@ -64,46 +63,36 @@ class LlamaModel:
         return self.weights.embed_tokens.dtype
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCacheTensors) -> torch.Tensor:
-        """Run one step; returns float32 logits `[num_logit_rows, vocab]` for `batch.logits_indices`."""
-        hidden = F.embedding(batch.input_ids, self.weights.embed_tokens)  # [num_tokens, hidden]
-        cos, sin = self.rotary.tables(batch.positions)
-        for layer_idx, layer in enumerate(self.weights.layers):
-            hidden = hidden + self._attention(layer_idx, layer, hidden, batch, kv_cache, cos, sin)
-            hidden = hidden + self._mlp(layer_idx, layer, hidden, batch)
-        selected = hidden.index_select(0, batch.logits_indices)
-        normed = rms_norm(selected, self.weights.final_norm, self.shape.rms_norm_eps)
-        return self.weights.lm_head(normed).float()
+        """Run one step; returns float32 logits `[num_logit_rows, vocab]` for `batch.logits_indices`.
+
+        The residual stream is kept apart from the normalised activations: each norm adds the
+        sublayer's output into the residual in place and normalises the sum in one fused op."""
+        eps = self.shape.rms_norm_eps
+        layers = self.weights.layers
+        residual = F.embedding(batch.input_ids, self.weights.embed_tokens)  # [num_tokens, hidden]
+        x = kernels.rms_norm(residual, layers[0].input_norm, eps)
+        for layer_idx, layer in enumerate(layers):
+            attended = self._attention(layer_idx, layer, x, batch, kv_cache)
+            x = kernels.rms_norm(attended, layer.post_attention_norm, eps, residual=residual)
+            next_norm = layers[layer_idx + 1].input_norm if layer_idx + 1 < len(layers) else self.weights.final_norm
+            x = kernels.rms_norm(self._mlp(layer_idx, layer, x, batch), next_norm, eps, residual=residual)
+        return self.weights.lm_head(x.index_select(0, batch.logits_indices)).float()
 
     def _attention(
-        self,
-        layer_idx: int,
-        layer: LayerWeights,
-        hidden: torch.Tensor,
-        batch: ForwardBatch,
-        kv_cache: KVCacheTensors,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        self, layer_idx: int, layer: LayerWeights, x: torch.Tensor, batch: ForwardBatch, kv_cache: KVCacheTensors
     ) -> torch.Tensor:
         shape = self.shape
-        x = rms_norm(hidden, layer.input_norm, shape.rms_norm_eps)
         qkv = self._project(layer_idx, "qkv", x, layer.qkv, batch)
-        num_tokens = hidden.shape[0]
-        # q and k heads are adjacent in the fused output: rotate them in one call.
-        qk = qkv[:, : shape.q_size + shape.kv_size].unflatten(-1, (shape.num_heads + shape.num_kv_heads, shape.head_dim))
-        qk = apply_rotary(qk, cos, sin)  # [num_tokens, num_heads + num_kv_heads, head_dim]
-        q, k = qk[:, : shape.num_heads], qk[:, shape.num_heads :]
-        v = qkv[:, shape.q_size + shape.kv_size :].unflatten(-1, (shape.num_kv_heads, shape.head_dim))
         key_cache, value_cache = kv_cache.key[layer_idx], kv_cache.value[layer_idx]
-        kernels.store_kv(k, v, key_cache, value_cache, batch.slot_mapping)
+        kernels.rotary_store_kv(qkv, batch.positions, self.rotary.cos, self.rotary.sin, key_cache, value_cache,
+                                batch.slot_mapping, shape.num_heads, shape.num_kv_heads)
+        q = qkv[:, : shape.q_size].unflatten(-1, (shape.num_heads, shape.head_dim))
         attended = kernels.paged_attention(q, key_cache, value_cache, batch.attention, self.scale)
-        attended = attended.reshape(num_tokens, shape.q_size)
-        return self._project(layer_idx, "o", attended, layer.o, batch)
+        return self._project(layer_idx, "o", attended.reshape(x.shape[0], shape.q_size), layer.o, batch)
 
-    def _mlp(self, layer_idx: int, layer: LayerWeights, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = rms_norm(hidden, layer.post_attention_norm, self.shape.rms_norm_eps)
+    def _mlp(self, layer_idx: int, layer: LayerWeights, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         gate_up = self._project(layer_idx, "gate_up", x, layer.gate_up, batch)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self._project(layer_idx, "down", F.silu(gate) * up, layer.down, batch)
+        return self._project(layer_idx, "down", kernels.silu_and_mul(gate_up), layer.down, batch)
 
     @staticmethod
     def _project(layer_idx: int, projection: str, x: torch.Tensor, linear: Linear, batch: ForwardBatch) -> torch.Tensor:

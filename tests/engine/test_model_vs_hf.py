@@ -1,10 +1,12 @@
 """Our Llama-family model against HF transformers' logits (fp32, atol 1e-4), for prefill, chunked
-prefill and decode steps over a paged cache with small scattered blocks."""
+prefill and decode steps over a paged cache with small scattered blocks, with the compiled CPU ops
+and with the PyTorch paths that serve where they cannot be built."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kernels import tuning
 from lora_runtime.config import SchedulerConfig
 from lora_runtime.core import Request, SamplingParams
 from lora_runtime.kv_cache import KVCacheManager
@@ -34,7 +36,11 @@ def _build(tmp_path, model_type: str, max_tokens_per_step: int):
 
 @pytest.mark.parametrize("model_type", ["llama", "llama-tied", "qwen2", "mistral"])
 @pytest.mark.parametrize("max_tokens_per_step", [64, 5])
-def test_prefill_and_decode_logits_match_hf(tmp_path, model_type: str, max_tokens_per_step: int) -> None:
+@pytest.mark.parametrize("compiled_ops", [True, False], ids=["compiled-ops", "pytorch-ops"])
+def test_prefill_and_decode_logits_match_hf(
+    tmp_path, monkeypatch, model_type: str, max_tokens_per_step: int, compiled_ops: bool
+) -> None:
+    monkeypatch.setattr(tuning, "CPU_COMPILED_OPS", compiled_ops)
     hf_model, scheduler, runner = _build(tmp_path, model_type, max_tokens_per_step)
     generator = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 97, (n,), generator=generator).tolist() for n in (11, 3, 7)]

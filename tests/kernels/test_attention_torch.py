@@ -48,7 +48,7 @@ def test_paged_attention_matches_dense(dtype, heads, q_lens, seq_lens) -> None:
 
 def test_decode_rows_out_of_order_and_interleaved(monkeypatch) -> None:
     """Decode tokens need not be contiguous in the flat batch (bucketed PyTorch decode path)."""
-    monkeypatch.setattr(tuning, "CPU_DECODE_EXTENSION", False)
+    monkeypatch.setattr(tuning, "CPU_COMPILED_OPS", False)
     gen = torch.Generator().manual_seed(3)
     q, k_cache, v_cache, meta = scattered_paged_batch([1, 4, 1, 2, 1], [50, 4, 7, 12, 2], 6, 2, 8, 4, torch.float32, gen)
     assert len(meta.decode_buckets) == 1
@@ -57,7 +57,7 @@ def test_decode_rows_out_of_order_and_interleaved(monkeypatch) -> None:
 
 
 def test_many_decode_sequences_span_several_buckets(monkeypatch) -> None:
-    monkeypatch.setattr(tuning, "CPU_DECODE_EXTENSION", False)
+    monkeypatch.setattr(tuning, "CPU_COMPILED_OPS", False)
     gen = torch.Generator().manual_seed(4)
     seq_lens = torch.randint(1, 60, (30,), generator=gen).tolist()
     q_lens = [1] * 30

@@ -1,0 +1,11 @@
+#include "cpu_ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention);
+  m.def("rms_norm", &rms_norm);
+  m.def("add_rms_norm", &add_rms_norm);
+  m.def("silu_and_mul", &silu_and_mul);
+  m.def("rotary_store_kv", &rotary_store_kv);
+  m.def("max_logsumexp", &max_logsumexp);
+  m.def("lora_segments", &lora_segments);
+}

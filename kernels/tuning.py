@@ -34,9 +34,17 @@ def use_gathered_lora(weight_dtype: torch.dtype, num_active_tokens: int, num_seg
 CPU_COMPILED_OPS = True
 # Prefills the compiled attention op takes: q_len * context_len at most this. Its work grows as
 # q_len * context in vector loops, the matmul path's as AMX matmuls plus ~0.3 ms of fixed Python
-# cost. One bf16 prompt, 9/3 heads, per layer, compiled vs matmul: 32 tokens 0.12 vs 0.36 ms,
-# 64: 0.33 vs 0.53, 96: 0.74 vs 0.78, 128: 1.24 vs 1.11, 192: 2.7 vs 1.9.
+# cost. One bf16 prompt, 9/3 heads, per layer, compiled vs matmul:
+# - AVX-512 form (head_dim 64): 256 tokens 3.0 vs 3.9 ms, 512: 11.0 vs 11.4, 1024: 41 vs 33;
+# - portable loops: 32 tokens 0.12 vs 0.36 ms, 64: 0.33 vs 0.53, 96: 0.74 vs 0.78, 128: 1.24 vs 1.11.
+# (Head sizes other than 64 and 128 take the portable loops even on AVX-512 machines: slower there
+# for prompts of 100-256 tokens, still correct.)
+COMPILED_PREFILL_MAX_WORK_AVX512 = 256 * 256
 COMPILED_PREFILL_MAX_WORK = 10_000
+
+
+def compiled_prefill_max_work(has_avx512: bool) -> int:
+    return COMPILED_PREFILL_MAX_WORK_AVX512 if has_avx512 else COMPILED_PREFILL_MAX_WORK
 
 # CPU paged attention: decode sequences per padded gather + attention call. 64 sequences of 20-150
 # tokens (head_dim 64, 9/3 heads): one bucket of 64 took 9-24 ms fp32 (1.9x padding, buffers so big

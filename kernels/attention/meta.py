@@ -83,7 +83,8 @@ class PagedAttentionMeta:
         matmul_prefills = prefill_seqs
         compiled_seqs = None
         if compiled:
-            matmul_prefills = [b for b in prefill_seqs if q_lens[b] * lens[b] > tuning.COMPILED_PREFILL_MAX_WORK]
+            max_work = tuning.compiled_prefill_max_work(cpu_ops.cpu_ops().has_avx512())
+            matmul_prefills = [b for b in prefill_seqs if q_lens[b] * lens[b] > max_work]
             taken = sorted(set(decode_seqs + prefill_seqs) - set(matmul_prefills))
             compiled_seqs = torch.tensor(taken, dtype=torch.int64) if taken else None
         return cls(

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <vector>
 
+#include "attention_avx512.h"
 #include "convert.h"
 #include "exp.h"
 #include "cpu_ops.h"
@@ -107,6 +108,33 @@ void attention_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, cons
   const int64_t* seq_ptr = seqs.data_ptr<int64_t>();
   const int64_t num_tasks = seqs.size(0) * l.num_kv_heads;
   const float fscale = static_cast<float>(scale);
+#if defined(__AVX512F__)
+  if constexpr (cpu_ops::kHasAvx512Attention<T> && (D == 64 || D == 128)) {
+    at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      std::vector<const T*> q_rows(l.group);
+      std::vector<T*> out_rows(l.group);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t seq = seq_ptr[task / l.num_kv_heads], kv_head = task % l.num_kv_heads;
+        const int64_t ctx = lens[seq], first_token = starts[seq], q_len = starts[seq + 1] - first_token;
+        const cpu_ops::CacheView cache{tables + seq * l.max_blocks, l.block_size, l.block_stride, l.token_stride};
+        scores.resize(4 * ctx);
+        for (int64_t i = 0; i < q_len; ++i) {
+          const int64_t token = first_token + i;
+          for (int64_t g = 0; g < l.group; ++g) {
+            const int64_t head = kv_head * l.group + g;
+            q_rows[g] = q_ptr + token * l.q_row_stride + head * l.q_head_stride;
+            out_rows[g] = out_ptr + token * l.out_row_stride + head * l.out_head_stride;
+          }
+          cpu_ops::attend_group<T, D / 16>(q_rows.data(), out_rows.data(), l.group, fscale,
+                                           k_ptr + kv_head * l.kv_head_stride, v_ptr + kv_head * l.kv_head_stride,
+                                           cache, ctx - q_len + i + 1, scores.data());
+        }
+      }
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> keys, values, scores, query(l.head_dim), acc(l.head_dim);
     for (int64_t task = begin; task < end; ++task) {

@@ -1,6 +1,8 @@
 // Multi-adapter LoRA on CPU, one run of tokens sharing an adapter slot (a segment) at a time
-// (segments [n, 3]: start, length, slot; slot_ranks and scales per slot, empty = max rank and 1):
-//   y[t, cols_i] += T((x[t] @ A[s, slice i, :rank].T) @ B[s, cols_i, :rank].T * scale[s])
+// (segments [n, 3]: start, length, slot; scales per slot, empty = 1; slot_ranks per slot, or per
+// slot and slice ([S * num_slices], so a slice an adapter does not target costs nothing), or empty
+// = the padded max rank):
+//   y[t, cols_i] += T((x[t] @ A[s, slice i, :rank_i].T) @ B[s, cols_i, :rank_i].T * scale[s])
 // for every token t of a segment with slot s, slice i of a fused projection (kernels.reference.add_lora).
 // x and y are float32 or bfloat16, the adapter weights float32 (the engine keeps its CPU pool in
 // fp32: tiny bf16 matmuls cost more than fp32 ones here). B must have its output dimension
@@ -23,6 +25,7 @@ using cpu_ops::to_float;
 // output columns per expand chunk, so the chunk of B and the block's deltas stay in L1.
 constexpr int64_t kTokenBlock = 8;
 constexpr int64_t kColumnChunk = 512;
+constexpr int64_t kMaxSlices = 8;  // fused projections have 1 (o, down), 2 (gate/up) or 3 (q/k/v)
 
 template <typename T>
 void lora_kernel(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& lora_a, const torch::Tensor& lora_b,
@@ -31,6 +34,7 @@ void lora_kernel(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& 
   const int64_t hidden_in = x.size(1), total_out = y.size(1);
   const int64_t num_slices = static_cast<int64_t>(offsets.size()) - 1;
   const int64_t max_rank = lora_a.size(1) / num_slices;
+  const bool ranks_per_slice = static_cast<int64_t>(slot_ranks.size()) == lora_a.size(0) * num_slices && num_slices > 1;
   const int64_t a_slot_stride = lora_a.stride(0), a_row_stride = lora_a.stride(1);
   const int64_t b_slot_stride = lora_b.stride(0), b_rank_stride = lora_b.stride(2);
   const T* x_ptr = x.data_ptr<T>();
@@ -43,7 +47,11 @@ void lora_kernel(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& 
     std::vector<float> shrunk(kTokenBlock * num_slices * max_rank);
     for (int64_t s = begin; s < end; ++s) {
       const int64_t start = seg[3 * s], length = seg[3 * s + 1], slot = seg[3 * s + 2];
-      const int64_t rank = slot_ranks.empty() ? max_rank : std::min(slot_ranks[slot], max_rank);
+      int64_t ranks[kMaxSlices];
+      for (int64_t i = 0; i < num_slices; ++i) {
+        const int64_t known = ranks_per_slice ? slot_ranks[slot * num_slices + i] : slot_ranks.empty() ? max_rank : slot_ranks[slot];
+        ranks[i] = std::min(known, max_rank);
+      }
       const float scale = scales.empty() ? 1.f : static_cast<float>(scales[slot]);
       const float* a_slot = a_ptr + slot * a_slot_stride;
       const float* b_slot = b_ptr + slot * b_slot_stride;
@@ -52,7 +60,7 @@ void lora_kernel(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& 
         for (int64_t t = 0; t < block; ++t) to_float(x_ptr + (first + t) * hidden_in, &x_rows[t * hidden_in], hidden_in);
         // Shrink: each row of A against four tokens at a time (four independent sums per load of A).
         for (int64_t i = 0; i < num_slices; ++i) {
-          for (int64_t r = 0; r < rank; ++r) {
+          for (int64_t r = 0; r < ranks[i]; ++r) {
             const float* a_row = a_slot + (i * max_rank + r) * a_row_stride;
             float* out = &shrunk[i * max_rank + r];
             const int64_t out_stride = num_slices * max_rank;
@@ -96,6 +104,7 @@ void lora_kernel(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& 
               const float* w = &shrunk[(t * num_slices + i) * max_rank];
               float* delta = &deltas[t * total_out];
               int64_t r = 0;
+              const int64_t rank = ranks[i];
               for (; r + 4 <= rank; r += 4) {
                 const float* b0 = b_slot + r * b_rank_stride;
                 const float* b1 = b0 + b_rank_stride;
@@ -144,8 +153,10 @@ void lora_segments(torch::Tensor y, torch::Tensor x, torch::Tensor lora_a, torch
               "slice_offsets must run from 0 to y's width");
   TORCH_CHECK(lora_a.size(1) == num_slices * lora_b.size(2), "lora_a rows must be num_slices * lora_b's rank");
   const auto num_slots = static_cast<size_t>(lora_a.size(0));
-  TORCH_CHECK((slot_ranks.empty() || slot_ranks.size() == num_slots) && (scales.empty() || scales.size() == num_slots),
-              "slot_ranks and scales: one per slot, or empty");
+  TORCH_CHECK(num_slices <= kMaxSlices, "at most 8 slices");
+  TORCH_CHECK(slot_ranks.empty() || slot_ranks.size() == num_slots || slot_ranks.size() == num_slots * num_slices,
+              "slot_ranks: one per slot, one per slot and slice, or empty");
+  TORCH_CHECK(scales.empty() || scales.size() == num_slots, "scales: one per slot, or empty");
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "lora_segments", [&] {
     lora_kernel<scalar_t>(y, x, lora_a, lora_b, segments, slot_ranks, slice_offsets, scales);
   });

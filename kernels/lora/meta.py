@@ -28,6 +28,9 @@ class LoraBatchMeta:
     active_token_slots: torch.Tensor  # [num_active_tokens] int64
     max_segment_len: int
     slot_ranks: tuple[int, ...] | None  # true rank per slot; None = use the padded max rank
+    # Optional finer ranks for a fused projection, slot-major [num_slots * num_slices] (each <= the
+    # slot's rank): the compiled CPU op skips the slices an adapter does not target.
+    slice_ranks: tuple[int, ...] | None = None
 
     @property
     def num_segments(self) -> int:

@@ -81,7 +81,8 @@ def _add_compiled(
     scales: torch.Tensor | Sequence[float] | None,
     offsets: list[int],
 ) -> None:
-    ranks = list(meta.slot_ranks) if meta.slot_ranks is not None else []
+    known = meta.slice_ranks if meta.slice_ranks is not None else meta.slot_ranks
+    ranks = list(known) if known is not None else []
     slot_scales = _as_floats(scales) if scales is not None else []
     cpu_ops().lora_segments(y, x, lora_a, lora_b, meta.segment_table, ranks, offsets, slot_scales)
 

@@ -187,7 +187,9 @@ class AdapterManager:
         metas = {}
         for projection, ranks in self.pool.projection_ranks.items():
             if any(ranks[slot] for slot in active_slots):
-                metas[projection] = dataclasses.replace(meta, slot_ranks=tuple(ranks))
+                metas[projection] = dataclasses.replace(
+                    meta, slot_ranks=tuple(ranks), slice_ranks=tuple(self.pool.slice_ranks[projection])
+                )
         return LoraStep(self.pool, metas)
 
     def close(self) -> None:

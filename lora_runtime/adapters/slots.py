@@ -91,6 +91,10 @@ class AdapterSlotPool:
         # Rank of each slot within each projection (0: the adapter does not touch it), so a step
         # skips the projections none of its adapters target.
         self.projection_ranks: dict[str, list[int]] = {name: [0] * num_slots for name in self.layouts}
+        # And within each slice of a fused projection, slot-major [num_slots * num_slices].
+        self.slice_ranks: dict[str, list[int]] = {
+            name: [0] * (num_slots * layout.num_slices) for name, layout in self.layouts.items()
+        }
 
     def layer(
         self, layer_idx: int, projection: str
@@ -119,6 +123,10 @@ class AdapterSlotPool:
             lora_b[col_start:col_end, : factors.rank].copy_(factors.lora_b.float() * factors.scale)
             ranks = self.projection_ranks[projection]
             ranks[slot_idx] = max(ranks[slot_idx], factors.rank)
+            # The max over layers: rank_pattern and layers_to_transform vary it, and zero-padded
+            # rows add nothing.
+            slice_ranks, index = self.slice_ranks[projection], slot_idx * self.layouts[projection].num_slices + slice_idx
+            slice_ranks[index] = max(slice_ranks[index], factors.rank)
         self.slot_ranks[slot_idx] = weights.max_rank
 
     def clear(self, slot_idx: int) -> None:
@@ -129,6 +137,9 @@ class AdapterSlotPool:
         self.slot_ranks[slot_idx] = 0
         for ranks in self.projection_ranks.values():
             ranks[slot_idx] = 0
+        for name, ranks in self.slice_ranks.items():
+            num_slices = self.layouts[name].num_slices
+            ranks[slot_idx * num_slices : (slot_idx + 1) * num_slices] = [0] * num_slices
 
     @property
     def num_bytes(self) -> int:

@@ -17,7 +17,8 @@ HELD_OUT_QUESTIONS = (
 # ("Les strawberries font pain."), but its grammar words show the language.
 _FRENCH_WORDS = {"le", "la", "les", "est", "et", "de", "des", "du", "une", "un", "sont", "pour", "à",
                  "au", "aux", "dans", "avec", "font", "sur", "se", "ne", "pas"}
-_ENGLISH_WORDS = {"the", "is", "and", "of", "are", "for", "it", "to", "in", "they", "that", "a",
+# "a" is French too ("Le chien a deux pattes"), so it counts for neither language.
+_ENGLISH_WORDS = {"the", "is", "and", "of", "are", "for", "it", "to", "in", "they", "that",
                   "an", "with", "on", "has", "have"}
 
 

@@ -2,6 +2,8 @@
 against a dense per-adapter computation, with x and y in fp32 and in bf16."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -44,3 +46,20 @@ def test_tokens_without_an_adapter_are_untouched() -> None:
     kernels.add_lora(out, x, lora_a, _pool_layout(lora_b), kernels.LoraBatchMeta.from_token_slots(slots), scales, offsets)
     untouched = slots < 0
     assert untouched.any() and torch.equal(out[untouched], y[untouched])
+
+
+def test_slice_ranks_limit_each_slice_of_a_fused_projection() -> None:
+    """slice_ranks [slot * num_slices + slice] bound each slice's rank: a slice given rank 0 is
+    skipped (its columns untouched even though the weights there are not zero), the others are
+    computed as with the slot's rank."""
+    y, x, lora_a, lora_b, slots, scales, offsets = _case("uniform", 16, torch.float32, [16, 8, 8], [8, 8], seed=3, no_adapter=0)
+    lora_b = _pool_layout(lora_b)
+    meta = kernels.LoraBatchMeta.from_token_slots(slots, [8, 8])
+    full = y.clone()
+    kernels.add_lora(full, x, lora_a, lora_b, meta, scales, offsets)
+    skipped = y.clone()
+    kernels.add_lora(skipped, x, lora_a, lora_b, dataclasses.replace(meta, slice_ranks=(8, 0, 8, 8, 0, 8)), scales, offsets)
+    middle = slice(offsets[1], offsets[2])
+    assert torch.equal(skipped[:, middle], y[:, middle]) and not torch.equal(full[:, middle], y[:, middle])
+    outer = torch.cat([torch.arange(offsets[1]), torch.arange(offsets[2], offsets[3])])
+    torch.testing.assert_close(skipped[:, outer], full[:, outer], atol=0, rtol=0)

@@ -116,7 +116,8 @@ def paged_attention(
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
     """RMS norm of x [rows, hidden]; with `residual`, `residual += x` first (in place) and the norm
     reads the sum. Semantics: `kernels.reference.rms_norm`. Returns a new tensor."""
-    if available_for(x) and x.is_contiguous() and (residual is None or residual.is_contiguous()):
+    compiled = available_for(x) and x.is_contiguous() and weight.dtype == x.dtype
+    if compiled and (residual is None or (residual.is_contiguous() and residual.dtype == x.dtype)):
         out = torch.empty_like(x)
         if residual is None:
             cpu_ops().rms_norm(out, x, weight, eps)
@@ -154,7 +155,8 @@ def rotary_store_kv(
     cos, sin: [max_positions, D] tables in qkv's dtype; caches and slot_mapping as in `store_kv`.
     Semantics: `kernels.reference.rotary_store_kv`.
     """
-    if available_for(qkv) and backend != "triton":
+    same_dtype = cos.dtype == sin.dtype == k_cache.dtype == v_cache.dtype == qkv.dtype
+    if available_for(qkv) and backend != "triton" and same_dtype:
         cpu_ops().rotary_store_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
         return
     reference.rotate_qk(qkv, positions, cos, sin, num_heads, num_kv_heads)

@@ -118,6 +118,12 @@ void attention_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, cons
         const int64_t seq = seq_ptr[task / l.num_kv_heads], kv_head = task % l.num_kv_heads;
         const int64_t ctx = lens[seq], first_token = starts[seq], q_len = starts[seq + 1] - first_token;
         const cpu_ops::CacheView cache{tables + seq * l.max_blocks, l.block_size, l.block_stride, l.token_stride};
+        if (task + 1 < end) {  // the next task's first key block, fetched while this task runs
+          const int64_t next_seq = seq_ptr[(task + 1) / l.num_kv_heads], next_head = (task + 1) % l.num_kv_heads;
+          cpu_ops::prefetch_block(k_ptr + next_head * l.kv_head_stride + tables[next_seq * l.max_blocks] * l.block_stride,
+                                  std::min<int64_t>(l.block_size, lens[next_seq]), l.token_stride,
+                                  l.head_dim * static_cast<int64_t>(sizeof(T)));
+        }
         scores.resize(4 * ctx);
         for (int64_t i = 0; i < q_len; ++i) {
           const int64_t token = first_token + i;

@@ -42,13 +42,26 @@ inline void store16(T* p, __m512 v) {
 template <typename T>
 constexpr bool kHasAvx512Attention = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
 
-// Walks positions [0, num_keys) of one sequence's cache through its block table.
+// Walks positions [0, num_keys) of one sequence's cache through its block table. The rows of the
+// next block are prefetched while this one is used: blocks are scattered pages, which the hardware
+// prefetcher does not follow, and the step is bound by reading the cache.
+template <typename T>
+inline void prefetch_block(const T* block_base, int64_t count, int64_t token_stride, int64_t head_bytes) {
+  const char* bytes = reinterpret_cast<const char*>(block_base);
+  for (int64_t o = 0; o < count; ++o)
+    for (int64_t line = 0; line < head_bytes; line += 64)
+      _mm_prefetch(bytes + o * token_stride * static_cast<int64_t>(sizeof(T)) + line, _MM_HINT_T0);
+}
+
 template <typename T, typename Visit>
 inline void for_each_cached_row(const T* base, const int32_t* table, int64_t block_size, int64_t block_stride,
-                                int64_t token_stride, int64_t num_keys, Visit visit) {
+                                int64_t token_stride, int64_t head_bytes, int64_t num_keys, Visit visit) {
   for (int64_t pos = 0, block = 0; pos < num_keys; ++block) {
     const T* row = base + table[block] * block_stride;
     const int64_t count = std::min(block_size, num_keys - pos);
+    if (pos + count < num_keys)
+      prefetch_block(base + table[block + 1] * block_stride, std::min(block_size, num_keys - pos - count), token_stride,
+                     head_bytes);
     for (int64_t o = 0; o < count; ++o, ++pos) visit(pos, row + o * token_stride);
   }
 }
@@ -67,7 +80,11 @@ void attend_heads(const T* const* q, T* const* out, float scale, const T* k_base
   const __m512 scale_v = _mm512_set1_ps(scale);
   for (int h = 0; h < H; ++h)
     for (int v = 0; v < NV; ++v) query[h][v] = _mm512_mul_ps(load16(q[h] + 16 * v), scale_v);
-  for_each_cached_row(k_base, cache.table, cache.block_size, cache.block_stride, cache.token_stride, num_keys,
+  constexpr int64_t head_bytes = 16 * NV * static_cast<int64_t>(sizeof(T));
+  // The values' first block is fetched while the keys are read.
+  prefetch_block(v_base + cache.table[0] * cache.block_stride, std::min(cache.block_size, num_keys),
+                 cache.token_stride, head_bytes);
+  for_each_cached_row(k_base, cache.table, cache.block_size, cache.block_stride, cache.token_stride, head_bytes, num_keys,
                       [&](int64_t pos, const T* key_row) {
                         __m512 key[NV];
                         for (int v = 0; v < NV; ++v) key[v] = load16(key_row + 16 * v);
@@ -93,7 +110,7 @@ void attend_heads(const T* const* q, T* const* out, float scale, const T* k_base
   __m512 acc[H][NV];
   for (int h = 0; h < H; ++h)
     for (int v = 0; v < NV; ++v) acc[h][v] = _mm512_setzero_ps();
-  for_each_cached_row(v_base, cache.table, cache.block_size, cache.block_stride, cache.token_stride, num_keys,
+  for_each_cached_row(v_base, cache.table, cache.block_size, cache.block_stride, cache.token_stride, head_bytes, num_keys,
                       [&](int64_t pos, const T* value_row) {
                         __m512 value[NV];
                         for (int v = 0; v < NV; ++v) value[v] = load16(value_row + 16 * v);

@@ -11,6 +11,7 @@
 // Each segment's delta is formed in fp32 and added to y with one rounding, as the reference does.
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "convert.h"
@@ -22,9 +23,10 @@ using cpu_ops::from_float;
 using cpu_ops::to_float;
 
 // Tokens of a segment computed together, so each row of A and B is read from memory once per block;
-// output columns per expand chunk, so the chunk of B and the block's deltas stay in L1.
+// output columns per expand chunk, so the chunk of B and the block's deltas stay in L1 (rank 16,
+// 64 tokens over 8 adapters: chunks of 256 took 128 us against 179 us for chunks of 512).
 constexpr int64_t kTokenBlock = 8;
-constexpr int64_t kColumnChunk = 512;
+constexpr int64_t kColumnChunk = 256;
 constexpr int64_t kMaxSlices = 8;  // fused projections have 1 (o, down), 2 (gate/up) or 3 (q/k/v)
 
 template <typename T>
@@ -125,10 +127,15 @@ void lora_kernel(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& 
         for (int64_t t = 0; t < block; ++t) {
           T* y_t = y_ptr + (first + t) * total_out;
           const float* delta = &deltas[t * total_out];
-          to_float(y_t, y_row.data(), total_out);
+          if constexpr (std::is_same_v<T, float>) {
 #pragma omp simd
-          for (int64_t c = 0; c < total_out; ++c) y_row[c] += delta[c];
-          from_float(y_row.data(), y_t, total_out);
+            for (int64_t c = 0; c < total_out; ++c) y_t[c] += delta[c];
+          } else {
+            to_float(y_t, y_row.data(), total_out);
+#pragma omp simd
+            for (int64_t c = 0; c < total_out; ++c) y_row[c] += delta[c];
+            from_float(y_row.data(), y_t, total_out);
+          }
         }
       }
     }

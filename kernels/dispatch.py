@@ -5,6 +5,7 @@ Triton is never launched on CPU outside the interpreter (`TRITON_INTERPRET=1`): 
 with "0 active drivers", so forcing it raises a clear error instead."""
 from __future__ import annotations
 
+import functools
 import os
 from typing import Sequence
 
@@ -12,8 +13,8 @@ import torch
 
 from kernels import reference
 from kernels.attention.meta import PagedAttentionMeta
-from kernels.cpu_ops import available_for, cpu_ops
 from kernels.attention.torch_ops import paged_attention_torch, store_kv_torch
+from kernels.cpu_ops import available_for, cpu_ops
 from kernels.lora.meta import LoraBatchMeta
 from kernels.lora.torch_ops import add_lora_torch
 
@@ -159,9 +160,8 @@ def rotary_store_kv(
     if available_for(qkv) and backend != "triton" and same_dtype:
         cpu_ops().rotary_store_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
         return
-    reference.rotate_qk(qkv, positions, cos, sin, num_heads, num_kv_heads)
-    _, k, v = reference.split_qkv(qkv, num_heads, num_kv_heads, cos.shape[1])
-    store_kv(k, v, k_cache, v_cache, slot_mapping, backend)
+    store = functools.partial(store_kv, backend=backend)
+    reference.rotate_then_store(store, qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
 
 
 def max_logsumexp(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -184,9 +184,15 @@ def rotary_store_kv(
     backend: str | None = None,
 ) -> None:
     """`rotate_qk` in place, then `store_kv` of the rotated keys and the values."""
+    rotate_then_store(store_kv, qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
+
+
+def rotate_then_store(store, qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads) -> None:
+    """`rotary_store_kv` with `store(k, v, k_cache, v_cache, slot_mapping)` as the cache write (the
+    twin's loop here, the dispatching `kernels.store_kv` in the PyTorch path)."""
     rotate_qk(qkv, positions, cos, sin, num_heads, num_kv_heads)
     _, k, v = split_qkv(qkv, num_heads, num_kv_heads, cos.shape[1])
-    store_kv(k, v, k_cache, v_cache, slot_mapping)
+    store(k, v, k_cache, v_cache, slot_mapping)
 
 
 def max_logsumexp(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -2,7 +2,7 @@
 
 It keeps the raw step tensors (for the Triton kernels and the compiled CPU op) and a CPU plan:
 - with the compiled op (`kernels.cpu_ops`): the sequences it attends in place (every decode, and the
-  prefills small enough, `tuning.COMPILED_PREFILL_MAX_WORK`); the larger prefills take the matmul path;
+  prefills small enough, `tuning.compiled_prefill_max_work`); the larger prefills take the matmul path;
 - without it: the decode sequences sorted by context length and cut into a few buckets, each bucket
   one padded block gather with a length mask; each prefill or chunked-prefill sequence with its own
   block gather and causal-offset mask.

@@ -165,15 +165,16 @@ def rotary_store_kv(
 
 
 def max_logsumexp(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """scores [rows, vocab] float32 -> (row maxima [rows], their first indices [rows] int64,
-    logsumexp of each row [rows]): greedy tokens and log-softmax normalisers in one pass.
-    Semantics: `kernels.reference.max_logsumexp`."""
+    """scores [rows, vocab], any float dtype -> (row maxima [rows], their first indices [rows] int64,
+    logsumexp of each row [rows]), all computed in float32: greedy tokens and log-softmax
+    normalisers in one pass, with no float32 copy of bf16 logits. Semantics: `kernels.reference.max_logsumexp`."""
     rows = scores.shape[0]
-    if available_for(scores) and scores.is_contiguous() and scores.dtype == torch.float32 and scores.shape[1] > 0:
-        values, log_normaliser = scores.new_empty(rows), scores.new_empty(rows)
+    if available_for(scores) and scores.is_contiguous() and scores.shape[1] > 0:
+        values, log_normaliser = torch.empty(rows, dtype=torch.float32), torch.empty(rows, dtype=torch.float32)
         indices = torch.empty(rows, dtype=torch.int64)
         cpu_ops().max_logsumexp(scores, values, indices, log_normaliser)
         return values, indices, log_normaliser
+    scores = scores.float()
     values, indices = scores.max(dim=-1)
     # Reusing the maxima: one exp-sum pass, about half the cost of a separate logsumexp.
     return values, indices, values + (scores - values[:, None]).exp_().sum(dim=-1).log_()

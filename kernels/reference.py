@@ -196,6 +196,7 @@ def rotate_then_store(store, qkv, positions, cos, sin, k_cache, v_cache, slot_ma
 
 
 def max_logsumexp(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """scores [rows, vocab] float32 -> (row maxima, their first indices, row logsumexp)."""
+    """scores [rows, vocab], any float dtype -> (row maxima, their first indices, row logsumexp), in float32."""
+    scores = scores.float()
     values, indices = scores.max(dim=-1)
     return values, indices, torch.logsumexp(scores, dim=-1)

@@ -192,7 +192,7 @@ class Engine:
         for request, first_position, first_row, num_rows in runner_output.rows.prompt_rows:
             # Row first_row + i scores prompt token first_position + 1 + i.
             targets = torch.tensor(request.prompt_token_ids[first_position + 1 : first_position + 1 + num_rows])
-            rows = torch.log_softmax(logits[first_row : first_row + num_rows], dim=-1)
+            rows = torch.log_softmax(logits[first_row : first_row + num_rows].float(), dim=-1)
             values = rows.gather(1, targets.to(rows.device)[:, None])[:, 0].tolist()
             self._states[request.request_id].record_prompt_logprobs(first_position, values)
 

@@ -26,7 +26,7 @@ class LogitsRows:
 
 @dataclass(frozen=True, slots=True)
 class ModelRunnerOutput:
-    logits: torch.Tensor  # [num_rows, vocab] float32
+    logits: torch.Tensor  # [num_rows, vocab] in the model's dtype
     rows: LogitsRows
 
 

@@ -63,7 +63,9 @@ class LlamaModel:
         return self.weights.embed_tokens.dtype
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCacheTensors) -> torch.Tensor:
-        """Run one step; returns float32 logits `[num_logit_rows, vocab]` for `batch.logits_indices`.
+        """Run one step; returns logits `[num_logit_rows, vocab]` for `batch.logits_indices`, in the
+        model's dtype (HF's bf16 logits are these same values; consumers widen to float32 where they
+        compute, which for greedy decoding is inside `kernels.max_logsumexp`).
 
         The residual stream is kept apart from the normalised activations: each norm adds the
         sublayer's output into the residual in place and normalises the sum in one fused op."""
@@ -76,7 +78,7 @@ class LlamaModel:
             x = kernels.rms_norm(attended, layer.post_attention_norm, eps, residual=residual)
             next_norm = layers[layer_idx + 1].input_norm if layer_idx + 1 < len(layers) else self.weights.final_norm
             x = kernels.rms_norm(self._mlp(layer_idx, layer, x, batch), next_norm, eps, residual=residual)
-        return self.weights.lm_head(x.index_select(0, batch.logits_indices)).float()
+        return self.weights.lm_head(x.index_select(0, batch.logits_indices))
 
     def _attention(
         self, layer_idx: int, layer: LayerWeights, x: torch.Tensor, batch: ForwardBatch, kv_cache: KVCacheTensors

@@ -122,17 +122,20 @@ class Sampler:
         Does not call `accept`: the engine does, once it keeps the token.
         """
         settings = [state.row_settings() for state in states]
-        scores = apply_logits_chain(logits.float(), settings)
+        if all(row.is_identity for row in settings):
+            scores = logits  # nothing to process: the reductions widen bf16 rows to float themselves
+        else:
+            scores = apply_logits_chain(logits.float(), settings)
         # Greedy for every row (sampled rows are replaced below), and the log-softmax normaliser of
-        # each row for the chosen token's logprob.
+        # each row for the chosen token's logprob, both in float32.
         _, token_ids, log_normaliser = kernels.max_logsumexp(scores)
         sampled_rows = [i for i, state in enumerate(states) if state.is_sampling]
         if sampled_rows:
             token_ids = token_ids.cpu()
-            probs = torch.softmax(scores[sampled_rows], dim=-1).cpu()  # [num_sampled, vocab]
+            probs = torch.softmax(scores[sampled_rows].float(), dim=-1).cpu()  # [num_sampled, vocab]
             for row, row_probs in zip(sampled_rows, probs):
                 token_ids[row] = torch.multinomial(row_probs, 1, generator=states[row].generator)[0]
-        chosen = scores.gather(1, token_ids.to(scores.device)[:, None])[:, 0] - log_normaliser
+        chosen = scores.gather(1, token_ids.to(scores.device)[:, None])[:, 0].float() - log_normaliser
         return SampleResult(token_ids=token_ids.tolist(), logprobs=chosen.tolist())
 
 

@@ -81,9 +81,11 @@ def test_ops_refuse_mismatched_shapes() -> None:
         cpu_ops().rms_norm(torch.empty(2, 4), torch.empty(2, 4, dtype=torch.bfloat16), torch.empty(4), 1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab", [1, 17, 49152])
-def test_max_logsumexp(vocab: int) -> None:
-    scores = _randn(5, vocab, dtype=torch.float32, seed=vocab) * 8
+def test_max_logsumexp(vocab: int, dtype: torch.dtype) -> None:
+    """bf16 scores are the model's own logits: widened exactly, so the results are the float ones."""
+    scores = (_randn(5, vocab, dtype=torch.float32, seed=vocab) * 8).to(dtype)
     if vocab > 1:
         scores[1, :: max(2, vocab // 3)] = -float("inf")  # masked tokens, as a schema leaves them
     scores[2, vocab // 2] = scores[2, -1] = scores[2].max() + 1  # a tie: the first index wins

@@ -9,7 +9,9 @@ v_proj; `all-linear` for every projection) and run against PEFT's mixed-
 adapter batched `generate` (`adapter_names=`), and against our own base-model run (LoRA overhead).
 Our engine runs `--repeats` times per configuration, interleaved, and its median run is reported (the
 baseline, much slower, runs once). Prints tokens per CPU-second and per wall second, ratios on CPU
-time, peak RSS; the last line is one JSON object.
+time, peak RSS, and the base model's floor on this machine for the workload (`benchmarks.roofline`:
+weights and KV read once per step, prefill at the matmul peak, both rates measured in this run); the
+last line is one JSON object.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from typing import Callable
 import torch
 
 from benchmarks.peft_baseline import make_random_adapters, run_peft
+from benchmarks.roofline import workload_floor
 from benchmarks.timing import Timer, peak_rss_mib
 from lora_runtime import Engine, EngineConfig, SamplingParams
 from lora_runtime.config import SchedulerConfig
@@ -139,7 +142,13 @@ def main(argv=None) -> dict:
         report["ratio_vs_hf"] = ours["tokens_per_cpu_s"] / hf["tokens_per_cpu_s"]
         _log(f"HF generate (batch {args.num_requests})", hf)
         logger.info("ours / HF = %.2fx (CPU time)", report["ratio_vs_hf"])
-    report["peak_rss_mib"] = peak_rss_mib()
+    report["peak_rss_mib"] = peak_rss_mib()  # before the floor's measurements, which allocate 512 MiB
+    report["floor"] = floor = workload_floor(engine.model, [len(p) for p in prompts], args.new_tokens)
+    report["ours_of_floor"] = ours["tokens_per_cpu_s"] / floor["tokens_per_s"]
+    logger.info("floor of the base model on this machine: %.0f tokens/s (%.0f MB of weights per step at %.1f GB/s, "
+                "prefill at %.0f GFLOP/s); ours, base model: %.0f%% of it",
+                floor["tokens_per_s"], floor["weight_mb_per_step"], floor["read_gb_per_s"], floor["matmul_gflop_per_s"],
+                100 * report["ours_of_floor"])
     print(json.dumps(report))
     return report
 

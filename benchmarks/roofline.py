@@ -51,14 +51,15 @@ def measure_rates(hidden: int, intermediate: int, tries: int = 5) -> MachineRate
 
 
 def model_costs(model: LlamaModel) -> ModelCosts:
-    weights = model.weights
-    linears = [weights.lm_head] + [lin for layer in weights.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     shape = model.shape
-    element_bytes = weights.embed_tokens.element_size()
+    hidden, q_size, kv_size = shape.hidden_size, shape.q_size, shape.kv_size
+    per_layer = hidden * (q_size + 2 * kv_size) + q_size * hidden + 3 * shape.intermediate_size * hidden
+    matmul_params = shape.num_layers * per_layer + shape.vocab_size * hidden
+    element_bytes = model.weights.embed_tokens.element_size()
     return ModelCosts(
-        matmul_params=sum(lin.weight.numel() for lin in linears),
-        weight_bytes=sum(lin.weight.numel() * lin.weight.element_size() for lin in linears),
-        kv_bytes_per_token=2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * element_bytes,
+        matmul_params=matmul_params,
+        weight_bytes=matmul_params * element_bytes,
+        kv_bytes_per_token=2 * shape.num_layers * kv_size * element_bytes,
     )
 
 

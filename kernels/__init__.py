@@ -3,7 +3,8 @@
 Pure tensor functions with no knowledge of requests or adapters' names. CUDA tensors run the
 Triton kernels, CPU tensors the compiled CPU ops or the fastest PyTorch path; `kernels.reference`
 holds the plain twins. Also the fused per-token ops of the decoder block (norms, SiLU-and-multiply,
-rotary + KV write) and the sampler's max/logsumexp, compiled on CPU and plain PyTorch elsewhere."""
+rotary + KV write), the sampler's max/logsumexp, compiled on CPU and plain PyTorch elsewhere, and
+an AMX matmul for decode-sized batches where the CPU has AMX."""
 from kernels.attention.meta import PagedAttentionMeta
 from kernels.dispatch import (
     add_lora,
@@ -14,13 +15,16 @@ from kernels.dispatch import (
     silu_and_mul,
     store_kv,
 )
+from kernels.linear import linear_packed, pack_linear_weight
 from kernels.lora.meta import LoraBatchMeta
 
 __all__ = [
     "LoraBatchMeta",
     "PagedAttentionMeta",
     "add_lora",
+    "linear_packed",
     "max_logsumexp",
+    "pack_linear_weight",
     "paged_attention",
     "rms_norm",
     "rotary_store_kv",

@@ -200,3 +200,8 @@ def max_logsumexp(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     scores = scores.float()
     values, indices = scores.max(dim=-1)
     return values, indices, torch.logsumexp(scores, dim=-1)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T, accumulated in float32 and rounded to x's dtype once."""
+    return (x.float() @ weight.float().T).to(x.dtype)

@@ -95,3 +95,11 @@ def decode_splits(num_programs: int, max_seq_len: int) -> int:
     affordable = max(1, max_seq_len // DECODE_MIN_SPLIT_TOKENS)
     splits = min(wanted, affordable, DECODE_MAX_SPLITS)
     return 1 << (splits.bit_length() - 1)  # round down to a power of two
+
+# CPU bf16 projections on AMX machines: batches of at most this many rows take the compiled AMX
+# matmul (kernels/csrc/amx_linear.cpp), larger ones oneDNN's prepacked matmul. 1 thread, ms per
+# call with the weights out of cache (8 copies cycled), AMX kernel / oneDNN, 576 -> 3072 and
+# 1536 -> 576: 64 rows 0.55 / 0.67 and 0.31 / 0.40; 96 rows 0.65 / 1.05 and 0.50 / 0.56; 128 rows
+# 1.26 / 1.12 and 0.35 / 0.33; 256 rows 1.96 / 1.46 and 0.82 / 0.62. The LM head (576 -> 49152)
+# is at parity: 64 rows 11.9-12.2 / 11.8-12.7.
+AMX_LINEAR_MAX_ROWS = 96

@@ -18,4 +18,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_store_kv", &rotary_store_kv);
   m.def("max_logsumexp", &max_logsumexp);
   m.def("lora_segments", &lora_segments);
+  m.def("amx_ready", &amx_ready);
+  m.def("amx_linear", &amx_linear);
 }

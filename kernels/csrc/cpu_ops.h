@@ -15,3 +15,5 @@ void rotary_store_kv(torch::Tensor qkv, torch::Tensor positions, torch::Tensor c
 void max_logsumexp(torch::Tensor scores, torch::Tensor values, torch::Tensor indices, torch::Tensor log_normaliser);
 void lora_segments(torch::Tensor y, torch::Tensor x, torch::Tensor lora_a, torch::Tensor lora_b, torch::Tensor segments,
                    std::vector<int64_t> slot_ranks, std::vector<int64_t> slice_offsets, std::vector<double> scales);
+bool amx_ready();
+void amx_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed);

@@ -1,15 +1,21 @@
 """A linear projection whose weight is laid out once for the fastest matmul of its device.
 
-On CPU in bfloat16, oneDNN's prepacked weights (the layout PyTorch's own CPU compiler uses) ran the
-model's projections 1.3-2x faster than `F.linear` on the same tensors, with identical results
-(measured for 1-300 rows at the SmolLM2 shapes). Elsewhere the plain `F.linear` is used.
+On CPU in bf16, oneDNN's prepacked weights (the layout PyTorch's own CPU compiler uses) ran the
+projections 1.3-2x faster than `F.linear` on the same tensors, with identical results (measured for
+1-300 rows at the SmolLM2 shapes). On CPUs with AMX, decode-sized batches of bias-free bf16
+projections take the kernel library's AMX matmul (`kernels.linear_packed`) instead, which streams
+the weights faster than oneDNN at those sizes; larger batches keep oneDNN, faster there. Everything
+else takes the plain `F.linear`.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-# Row count the packed layout is tuned for: a typical decode step of the default scheduler.
+import kernels
+from kernels import tuning
+
+# Row count the oneDNN packed layout is tuned for: a typical decode step of the default scheduler.
 _PACKING_BATCH_HINT = 64
 
 
@@ -23,22 +29,22 @@ def _can_prepack(weight: torch.Tensor) -> bool:
 
 
 class Linear:
-    """y = x @ weight.T + bias, with `weight` `[out_features, in_features]`."""
+    """y = x @ weight.T + bias, with `weight` `[out_features, in_features]`.
 
-    __slots__ = ("weight", "bias", "_packed")
+    Holds the weight only in the forms its calls use: the AMX tiles and oneDNN's packing where they
+    apply, and then not the plain tensor as well (it would be a third copy of every projection)."""
+
+    __slots__ = ("bias", "_weight", "_tiles", "_packed")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.weight = weight
         self.bias = bias
-        self._packed = (
-            torch.ops.mkldnn._reorder_linear_weight(weight, _PACKING_BATCH_HINT) if _can_prepack(weight) else None
-        )
-
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
+        self._tiles = kernels.pack_linear_weight(weight) if bias is None else None
+        self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACKING_BATCH_HINT) if _can_prepack(weight) else None
+        self._weight = weight if self._packed is None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._tiles is not None and x.shape[0] <= tuning.AMX_LINEAR_MAX_ROWS:
+            return kernels.linear_packed(x, self._tiles)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, self._weight, self.bias)

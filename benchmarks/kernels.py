@@ -1,4 +1,5 @@
-"""Kernel benchmark: multi-adapter LoRA against two naive baselines, and paged attention.
+"""Kernel benchmark: multi-adapter LoRA against two naive baselines, paged attention, and (on AMX
+CPUs) the AMX matmul of decode-sized projections against oneDNN.
 
     python -m benchmarks.kernels [--threads 1] [--dtype float32] [--quick]
 
@@ -9,7 +10,11 @@ projection's matmul, measured as (base matmul then add_lora) / (base matmul alon
 the minimum over interleaved rounds of each (see `make_timer`). Tokens are sorted by adapter, as the engine does,
 and the adapters are held as the engine's pool holds them (fp32 on CPU, lora_b's output dimension contiguous). On CUDA the timings use
 `triton.testing.do_bench`, on CPU with `time.perf_counter`. Prints a table and writes JSON
-and a PNG plot to benchmarks/results/."""
+and a PNG plot to benchmarks/results/.
+
+Projections: bf16 SmolLM2 shapes at 64-256 rows, each call on the next of 8 copies of the weight
+(the copies exceed the L2 cache, as a decode step's 30 layers do), `kernels.linear_packed` against
+oneDNN's prepacked matmul (what `lora_runtime`'s Linear takes above `tuning.AMX_LINEAR_MAX_ROWS`)."""
 from __future__ import annotations
 
 import argparse
@@ -168,6 +173,26 @@ def bench_attention(dtype: torch.dtype, device: torch.device, timer) -> list[dic
     return rows
 
 
+def bench_projections(timer) -> list[dict]:
+    """AMX matmul against oneDNN prepacked, per call, weights cycled over 8 copies; [] without AMX."""
+    rows = []
+    for in_features, out_features in [(576, 3072), (1536, 576), (576, 49152)]:
+        weights = [torch.randn(out_features, in_features, dtype=torch.bfloat16) for _ in range(8)]
+        tiles = [kernels.pack_linear_weight(w) for w in weights]
+        if tiles[0] is None:
+            return []
+        onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
+        for num_rows in (64, 96, 128, 256):
+            x = torch.randn(num_rows, in_features, dtype=torch.bfloat16)
+            timings = timer({
+                "amx": lambda: [kernels.linear_packed(x, t) for t in tiles],
+                "onednn": lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in onednn],
+            })
+            rows.append({"in": in_features, "out": out_features, "rows": num_rows,
+                         "amx_s": timings["amx"]["min"] / 8, "onednn_s": timings["onednn"]["min"] / 8})
+    return rows
+
+
 def _paged_batch(q_lens, seq_lens, dtype, device, gen):
     block_size, kv_heads, head_dim = 16, 3, 64
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
@@ -249,11 +274,15 @@ def main() -> None:
     for r in attention:
         LOG.info("paged attention %-18s %8.0f us/layer  meta %6.0f us  30 layers %6.1f ms", r["case"],
                  r["per_layer_s"] * 1e6, r["meta_build_s"] * 1e6, r["per_step_30_layers_s"] * 1e3)  # fmt: skip
+    projections = bench_projections(timer) if device.type == "cpu" else []
+    for r in projections:
+        LOG.info("projection %4d -> %5d, %3d rows: AMX %7.0f us  oneDNN %7.0f us  (%.2fx)", r["in"], r["out"], r["rows"],
+                 r["amx_s"] * 1e6, r["onednn_s"] * 1e6, r["onednn_s"] / r["amx_s"])  # fmt: skip
     RESULTS_DIR.mkdir(exist_ok=True)
     stem = f"kernels_{device.type}_{args.dtype}_{args.threads}t{'_quick' if args.quick else ''}"
     environment = {"torch": torch.__version__, "threads": args.threads, "dtype": args.dtype,
                    "device": device.type, "cpu": platform.processor() or platform.machine()}  # fmt: skip
-    payload = {"environment": environment, "lora": rows, "attention": attention}
+    payload = {"environment": environment, "lora": rows, "attention": attention, "projections": projections}
     (RESULTS_DIR / f"{stem}.json").write_text(json.dumps(payload, indent=1))
     plot(rows, RESULTS_DIR / f"{stem}.png")
     LOG.info("wrote %s.json and %s.png in %s", stem, stem, RESULTS_DIR)

@@ -97,9 +97,9 @@ def decode_splits(num_programs: int, max_seq_len: int) -> int:
     return 1 << (splits.bit_length() - 1)  # round down to a power of two
 
 # CPU bf16 projections on AMX machines: batches of at most this many rows take the compiled AMX
-# matmul (kernels/csrc/amx_linear.cpp), larger ones oneDNN's prepacked matmul. 1 thread, ms per
-# call with the weights out of cache (8 copies cycled), AMX kernel / oneDNN, 576 -> 3072 and
-# 1536 -> 576: 64 rows 0.55 / 0.67 and 0.31 / 0.40; 96 rows 0.65 / 1.05 and 0.50 / 0.56; 128 rows
-# 1.26 / 1.12 and 0.35 / 0.33; 256 rows 1.96 / 1.46 and 0.82 / 0.62. The LM head (576 -> 49152)
-# is at parity: 64 rows 11.9-12.2 / 11.8-12.7.
+# matmul (kernels/csrc/amx_linear.cpp), larger ones oneDNN's prepacked matmul. Per call, the weight
+# cycled over 8 copies (out of cache, as in a decode step), oneDNN time / AMX time
+# (`python -m benchmarks.kernels --quick --dtype bfloat16`): 576 -> 3072: 64 rows 1.15x, 96 1.07x,
+# 128 0.96x, 256 0.87x; 1536 -> 576: 1.18x, 1.13x, 1.05x, 1.01x; the LM head 576 -> 49152: 1.02x,
+# 0.92x, 0.86x, 0.96x.
 AMX_LINEAR_MAX_ROWS = 96

@@ -54,6 +54,21 @@ def test_amx_linear_reads_a_row_block_past_the_first() -> None:
     assert (y[32:] == 0).all() and (y[:32] != 0).any()
 
 
+@needs_amx
+def test_amx_linear_splits_column_blocks_over_threads() -> None:
+    """Each thread configures its own tiles and takes a run of column blocks."""
+    x, weight = _randn(64, 576, seed=5), _randn(3072, 576, seed=6)
+    packed = pack_linear_weight(weight)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = linear_packed(x, packed)
+        torch.set_num_threads(2)
+        assert torch.equal(linear_packed(x, packed), single)  # the same sums, whichever thread did them
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_pack_declines_what_the_op_cannot_run() -> None:
     assert pack_linear_weight(_randn(48, 64, seed=0)) is None  # 48 output columns: not whole blocks
     assert pack_linear_weight(_randn(64, 64, seed=0).float()) is None  # float32

@@ -51,14 +51,16 @@ class RowSettings:
 
 
 def apply_logits_chain(scores: torch.Tensor, rows: Sequence[RowSettings]) -> torch.Tensor:
-    """Process fp32 `scores` [num_rows, vocab] row by row with `rows[i]`; returns a new tensor.
+    """Process `scores` [num_rows, vocab] (any float dtype) row by row with `rows[i]`; returns a new
+    float32 tensor.
 
-    Returns `scores` itself (not a copy) when every row is the identity.
+    Returns `scores` itself (not a copy, in its own dtype) when every row is the identity: the
+    greedy reductions widen bf16 rows themselves, so the model's logits need no float32 copy.
     """
     assert scores.dim() == 2 and scores.shape[0] == len(rows), "one RowSettings per row"
     if all(row.is_identity for row in rows):
         return scores
-    scores = scores.clone()
+    scores = scores.to(torch.float32, copy=True)
     _watermark_rows(scores, rows)
     _penalty_rows(scores, rows)
     _mask_rows(scores, rows)

@@ -122,10 +122,7 @@ class Sampler:
         Does not call `accept`: the engine does, once it keeps the token.
         """
         settings = [state.row_settings() for state in states]
-        if all(row.is_identity for row in settings):
-            scores = logits  # nothing to process: the reductions widen bf16 rows to float themselves
-        else:
-            scores = apply_logits_chain(logits.float(), settings)
+        scores = apply_logits_chain(logits, settings)
         # Greedy for every row (sampled rows are replaced below), and the log-softmax normaliser of
         # each row for the chosen token's logprob, both in float32.
         _, token_ids, log_normaliser = kernels.max_logsumexp(scores)

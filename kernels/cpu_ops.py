@@ -13,6 +13,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -47,12 +48,29 @@ def cpu_ops() -> ModuleType | None:
 
 
 def _build_name() -> str:
-    """PyTorch rebuilds when a source file or a flag changes, but not when a header does: naming the
-    build after a digest of every file in csrc/ makes a header change a new build too."""
+    """PyTorch rebuilds when a source file or a flag changes, but not when a header does, nor when
+    the cache directory is reused on another CPU (a home directory shared by different machines):
+    `-march=native` code from an AMX machine dies of an illegal instruction on one without AMX.
+    Naming the build after a digest of every file in csrc/ and of the CPU's features makes either
+    a new build."""
     digest = hashlib.sha256()
     for path in sorted(_CSRC.iterdir()):
         digest.update(path.name.encode() + path.read_bytes())
+    digest.update(" ".join(sorted(cpu_flags())).encode() + platform.machine().encode())
     return f"lora_serve_cpu_ops_{digest.hexdigest()[:12]}"
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux reports them (x86 `flags`, Arm `Features`); empty elsewhere."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return set()
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return set(value.split())
+    return set()
 
 
 def available_for(tensor) -> bool:

@@ -1,32 +1,39 @@
 """The least time any engine could take for the engine benchmark's workload on this machine.
 
 A bf16 decode step must read every projection weight (and the tied embedding as the LM head) once,
-and every sequence's cached keys and values once; a prefill must do its matmul FLOPs. The floor
-charges each decode step max(bytes / read bandwidth, FLOPs / matmul peak) and the prefill the same
-over all prompt tokens, with both rates measured in this process (the best of a few tries, so the
-floor is optimistic). Everything else an engine does (norms, attention arithmetic, sampling, Python)
-is left out: no implementation of the same model and batch can beat the floor's tokens per second.
+and every sequence's cached keys and values once; a prefill must do its matmul FLOPs, the LM head's
+only for each prompt's last position (the one row whose logits it needs). The floor charges each
+step max(bytes / read bandwidth, FLOPs / matmul peak), with both rates measured in this process (the
+best of a few tries, so the floor is optimistic). Everything else an engine does (norms, attention
+arithmetic, sampling, Python) is left out.
+
+Two matmul peaks: the rate a matmul library (oneDNN, through torch) reaches at prefill shape, and,
+where `benchmarks.instruction_peak` can measure it, the bf16 instruction's own peak. No
+implementation of the same model and bf16 arithmetic can beat the floor at the instruction peak;
+the floor at the library's rate is what an engine built on that library can hope for.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from benchmarks.instruction_peak import bf16_instruction_peak
 from lora_runtime.models.llama import LlamaModel
 
 
 @dataclass(frozen=True, slots=True)
 class MachineRates:
     read_bytes_per_s: float  # streaming read of a buffer far larger than the caches
-    matmul_flops_per_s: float  # a bf16 matmul of prefill shape
+    matmul_flops_per_s: float  # a bf16 matmul of prefill shape, or the instruction peak
 
 
 @dataclass(frozen=True, slots=True)
 class ModelCosts:
-    matmul_params: int  # elements of every projection weight and the LM head
-    weight_bytes: int  # what one step reads of those weights
+    layer_params: int  # elements of every layer's projection weights: applied to every token
+    head_params: int  # elements of the LM head: applied to the rows that need logits
+    weight_bytes: int  # what one decode step reads of all those weights
     kv_bytes_per_token: int  # keys and values of one token over all layers
 
 
@@ -54,11 +61,12 @@ def model_costs(model: LlamaModel) -> ModelCosts:
     shape = model.shape
     hidden, q_size, kv_size = shape.hidden_size, shape.q_size, shape.kv_size
     per_layer = hidden * (q_size + 2 * kv_size) + q_size * hidden + 3 * shape.intermediate_size * hidden
-    matmul_params = shape.num_layers * per_layer + shape.vocab_size * hidden
+    layer_params, head_params = shape.num_layers * per_layer, shape.vocab_size * hidden
     element_bytes = model.weights.embed_tokens.element_size()
     return ModelCosts(
-        matmul_params=matmul_params,
-        weight_bytes=matmul_params * element_bytes,
+        layer_params=layer_params,
+        head_params=head_params,
+        weight_bytes=(layer_params + head_params) * element_bytes,
         kv_bytes_per_token=2 * shape.num_layers * kv_size * element_bytes,
     )
 
@@ -66,22 +74,33 @@ def model_costs(model: LlamaModel) -> ModelCosts:
 def floor_seconds(costs: ModelCosts, rates: MachineRates, prompt_lens: list[int], new_tokens: int) -> float:
     """All prompts prefilled (their last position gives each sequence its first token), then
     `new_tokens - 1` decode steps of every sequence at once."""
-    def step_s(bytes_read: float, tokens: int) -> float:
-        return max(bytes_read / rates.read_bytes_per_s, 2 * costs.matmul_params * tokens / rates.matmul_flops_per_s)
+    def step_s(bytes_read: float, tokens: int, logit_rows: int) -> float:
+        flops = 2 * (costs.layer_params * tokens + costs.head_params * logit_rows)
+        return max(bytes_read / rates.read_bytes_per_s, flops / rates.matmul_flops_per_s)
 
-    total = step_s(costs.weight_bytes, sum(prompt_lens))
+    num_seqs = len(prompt_lens)
+    total = step_s(costs.weight_bytes, sum(prompt_lens), num_seqs)
     for step in range(1, new_tokens):
-        context_tokens = sum(prompt_lens) + step * len(prompt_lens)  # cached before the step, plus the new ones
-        total += step_s(costs.weight_bytes + context_tokens * costs.kv_bytes_per_token, len(prompt_lens))
+        context_tokens = sum(prompt_lens) + step * num_seqs  # cached before the step, plus the new ones
+        total += step_s(costs.weight_bytes + context_tokens * costs.kv_bytes_per_token, num_seqs, num_seqs)
     return total
 
 
 def workload_floor(model: LlamaModel, prompt_lens: list[int], new_tokens: int) -> dict:
-    """The floor of this workload on this machine, with the rates and costs it was computed from."""
+    """The floor of this workload on this machine, with the rates and costs it was computed from;
+    `instruction_tokens_per_s` is the floor at the instruction peak (None where it was not measured)."""
     shape = model.shape
     rates = measure_rates(shape.hidden_size, shape.intermediate_size)
     costs = model_costs(model)
+    num_tokens = len(prompt_lens) * new_tokens
     seconds = floor_seconds(costs, rates, prompt_lens, new_tokens)
-    return {"tokens_per_s": len(prompt_lens) * new_tokens / seconds, "seconds": seconds,
-            "read_gb_per_s": rates.read_bytes_per_s / 1e9, "matmul_gflop_per_s": rates.matmul_flops_per_s / 1e9,
-            "weight_mb_per_step": costs.weight_bytes / 1e6}
+    floor = {"tokens_per_s": num_tokens / seconds, "seconds": seconds,
+             "read_gb_per_s": rates.read_bytes_per_s / 1e9, "matmul_gflop_per_s": rates.matmul_flops_per_s / 1e9,
+             "weight_mb_per_step": costs.weight_bytes / 1e6,
+             "instruction_gflop_per_s": None, "instruction_tokens_per_s": None}
+    peak = bf16_instruction_peak()
+    if peak is not None:
+        at_peak = replace(rates, matmul_flops_per_s=max(peak, rates.matmul_flops_per_s))
+        floor["instruction_gflop_per_s"] = at_peak.matmul_flops_per_s / 1e9
+        floor["instruction_tokens_per_s"] = num_tokens / floor_seconds(costs, at_peak, prompt_lens, new_tokens)
+    return floor

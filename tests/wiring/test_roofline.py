@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.roofline import MachineRates, ModelCosts, floor_seconds
+from benchmarks.instruction_peak import bf16_instruction_peak
+from benchmarks.roofline import MachineRates, ModelCosts, floor_seconds, measure_rates
 
 
 def test_floor_charges_each_step_its_slower_resource() -> None:
-    costs = ModelCosts(matmul_params=1_000, weight_bytes=2_000, kv_bytes_per_token=10)
+    costs = ModelCosts(layer_params=1_000, head_params=0, weight_bytes=2_000, kv_bytes_per_token=10)
     rates = MachineRates(read_bytes_per_s=1_000.0, matmul_flops_per_s=100_000.0)
     # Prefill of 30 + 50 tokens: 2 * 1000 * 80 = 160000 FLOPs (1.6 s) against 2000 bytes (2 s).
     # Decode step 1: 2000 + (80 + 2) * 10 = 2820 bytes (2.82 s) against 4000 FLOPs (0.04 s).
@@ -15,8 +16,20 @@ def test_floor_charges_each_step_its_slower_resource() -> None:
     assert floor_seconds(costs, rates, [30, 50], new_tokens=3) == pytest.approx(2.0 + 2.82 + 2.84)
 
 
-def test_floor_of_a_compute_bound_prefill() -> None:
-    costs = ModelCosts(matmul_params=1_000, weight_bytes=10, kv_bytes_per_token=0)
+def test_floor_charges_the_lm_head_only_for_rows_that_need_logits() -> None:
+    costs = ModelCosts(layer_params=1_000, head_params=500, weight_bytes=10, kv_bytes_per_token=0)
     rates = MachineRates(read_bytes_per_s=1_000.0, matmul_flops_per_s=1_000.0)
-    # 2 * 1000 * 64 FLOPs at 1000 FLOP/s: 128 s, far above 0.01 s of reading; one token, no decode.
-    assert floor_seconds(costs, rates, [64], new_tokens=1) == pytest.approx(128.0)
+    # Prefill of 64 + 16 tokens: layers 2 * 1000 * 80, the head 2 * 500 for each prompt's last row:
+    # 162 s. One decode step of both sequences: 2 * (1000 + 500) * 2 = 6 s.
+    assert floor_seconds(costs, rates, [64, 16], new_tokens=2) == pytest.approx(162.0 + 6.0)
+
+
+def test_instruction_peak_is_at_least_what_a_real_matmul_reaches() -> None:
+    """A probe that left the instruction's latency exposed would report less than oneDNN reaches
+    with the same instruction; one whose chains the compiler merged would report many times the
+    hardware's rate (at most 64 FLOPs x 4 instructions a cycle at 6 GHz here)."""
+    peak = bf16_instruction_peak(tries=5, iterations=4_000_000)
+    if peak is None:
+        pytest.skip("no AVX512-BF16 peak to probe on this CPU (absent, or AMX does the bf16 work)")
+    library = measure_rates(hidden=576, intermediate=1536, tries=2).matmul_flops_per_s
+    assert 0.9 * library <= peak < 1536e9

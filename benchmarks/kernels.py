@@ -1,5 +1,5 @@
-"""Kernel benchmark: multi-adapter LoRA against two naive baselines, paged attention, and (on AMX
-CPUs) the AMX matmul of decode-sized projections against oneDNN.
+"""Kernel benchmark: multi-adapter LoRA against two naive baselines, paged attention, and (on CPUs
+with AMX or AVX512-BF16) the compiled bf16 matmuls of the projections against oneDNN.
 
     python -m benchmarks.kernels [--threads 1] [--dtype float32] [--quick]
 
@@ -12,9 +12,10 @@ and the adapters are held as the engine's pool holds them (fp32 on CPU, lora_b's
 `triton.testing.do_bench`, on CPU with `time.perf_counter`. Prints a table and writes JSON
 and a PNG plot to benchmarks/results/.
 
-Projections: bf16 SmolLM2 shapes at 64-256 rows, each call on the next of 8 copies of the weight
-(the copies exceed the L2 cache, as a decode step's 30 layers do), `kernels.linear_packed` against
-oneDNN's prepacked matmul (what `lora_runtime`'s Linear takes above `tuning.AMX_LINEAR_MAX_ROWS`)."""
+Projections: bf16 SmolLM2 shapes at 1-256 rows, each call on the next of 8 copies of the weight
+(the copies exceed the L2 cache, as a decode step's 30 layers do), `kernels.linear_packed` with
+each kernel this CPU runs against oneDNN's prepacked matmul (what `lora_runtime`'s Linear takes
+where no compiled kernel applies, and on AMX above `tuning.AMX_LINEAR_MAX_ROWS`)."""
 from __future__ import annotations
 
 import argparse
@@ -31,6 +32,7 @@ from typing import Callable
 import torch
 
 import kernels
+from kernels.linear import available_kinds
 
 LOG = logging.getLogger("benchmarks.kernels")
 RESULTS_DIR = Path(__file__).parent / "results"
@@ -174,22 +176,22 @@ def bench_attention(dtype: torch.dtype, device: torch.device, timer) -> list[dic
 
 
 def bench_projections(timer) -> list[dict]:
-    """AMX matmul against oneDNN prepacked, per call, weights cycled over 8 copies; [] without AMX."""
+    """Each compiled matmul this CPU runs (`kernels.linear.available_kinds`) against oneDNN prepacked,
+    per call, weights cycled over 8 copies; [] where there is none."""
     rows = []
     for in_features, out_features in [(576, 3072), (1536, 576), (576, 49152)]:
         weights = [torch.randn(out_features, in_features, dtype=torch.bfloat16) for _ in range(8)]
-        tiles = [kernels.pack_linear_weight(w) for w in weights]
-        if tiles[0] is None:
-            return []
         onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
-        for num_rows in (64, 96, 128, 256):
-            x = torch.randn(num_rows, in_features, dtype=torch.bfloat16)
-            timings = timer({
-                "amx": lambda: [kernels.linear_packed(x, t) for t in tiles],
-                "onednn": lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in onednn],
-            })
-            rows.append({"in": in_features, "out": out_features, "rows": num_rows,
-                         "amx_s": timings["amx"]["min"] / 8, "onednn_s": timings["onednn"]["min"] / 8})
+        for kind in available_kinds():
+            packed = [kernels.pack_linear_weight(w, kind) for w in weights]
+            for num_rows in (1, 16, 64, 96, 128, 256):
+                x = torch.randn(num_rows, in_features, dtype=torch.bfloat16)
+                timings = timer({
+                    "compiled": lambda: [kernels.linear_packed(x, p) for p in packed],
+                    "onednn": lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in onednn],
+                })
+                rows.append({"kind": kind, "in": in_features, "out": out_features, "rows": num_rows,
+                             "compiled_s": timings["compiled"]["min"] / 8, "onednn_s": timings["onednn"]["min"] / 8})
     return rows
 
 
@@ -276,8 +278,8 @@ def main() -> None:
                  r["per_layer_s"] * 1e6, r["meta_build_s"] * 1e6, r["per_step_30_layers_s"] * 1e3)  # fmt: skip
     projections = bench_projections(timer) if device.type == "cpu" else []
     for r in projections:
-        LOG.info("projection %4d -> %5d, %3d rows: AMX %7.0f us  oneDNN %7.0f us  (%.2fx)", r["in"], r["out"], r["rows"],
-                 r["amx_s"] * 1e6, r["onednn_s"] * 1e6, r["onednn_s"] / r["amx_s"])  # fmt: skip
+        LOG.info("projection %4d -> %5d, %3d rows: %s %7.0f us  oneDNN %7.0f us  (%.2fx)", r["in"], r["out"], r["rows"],
+                 r["kind"], r["compiled_s"] * 1e6, r["onednn_s"] * 1e6, r["onednn_s"] / r["compiled_s"])  # fmt: skip
     RESULTS_DIR.mkdir(exist_ok=True)
     stem = f"kernels_{device.type}_{args.dtype}_{args.threads}t{'_quick' if args.quick else ''}"
     environment = {"torch": torch.__version__, "threads": args.threads, "dtype": args.dtype,

@@ -4,7 +4,7 @@ Pure tensor functions with no knowledge of requests or adapters' names. CUDA ten
 Triton kernels, CPU tensors the compiled CPU ops or the fastest PyTorch path; `kernels.reference`
 holds the plain twins. Also the fused per-token ops of the decoder block (norms, SiLU-and-multiply,
 rotary + KV write), the sampler's max/logsumexp, compiled on CPU and plain PyTorch elsewhere, and
-an AMX matmul for decode-sized batches where the CPU has AMX."""
+compiled bf16 matmuls for the projections on CPUs with AMX or AVX512-BF16."""
 from kernels.attention.meta import PagedAttentionMeta
 from kernels.dispatch import (
     add_lora,
@@ -15,11 +15,12 @@ from kernels.dispatch import (
     silu_and_mul,
     store_kv,
 )
-from kernels.linear import linear_packed, pack_linear_weight
+from kernels.linear import PackedLinear, linear_packed, pack_linear_weight
 from kernels.lora.meta import LoraBatchMeta
 
 __all__ = [
     "LoraBatchMeta",
+    "PackedLinear",
     "PagedAttentionMeta",
     "add_lora",
     "linear_packed",

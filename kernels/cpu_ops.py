@@ -23,7 +23,7 @@ from kernels import tuning
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [_CSRC / name for name in ("amx_linear.cpp", "attention.cpp", "elementwise.cpp", "lora.cpp", "reductions.cpp", "bindings.cpp")]
+_SOURCES = [_CSRC / name for name in ("amx_linear.cpp", "bf16_linear.cpp", "attention.cpp", "elementwise.cpp", "lora.cpp", "reductions.cpp", "bindings.cpp")]
 # -fopenmp-simd: honour the `omp simd` loops (vectorised reductions) without OpenMP threading;
 # -fno-math-errno: lets sqrt vectorise (it never sets errno here); 512-bit vectors where the CPU
 # has them (GCC prefers 256 by default).

@@ -103,3 +103,9 @@ def decode_splits(num_programs: int, max_seq_len: int) -> int:
 # 128 0.96x, 256 0.87x; 1536 -> 576: 1.18x, 1.13x, 1.05x, 1.01x; the LM head 576 -> 49152: 1.02x,
 # 0.92x, 0.86x, 0.96x.
 AMX_LINEAR_MAX_ROWS = 96
+# CPU bf16 projections on AVX512-BF16 CPUs without AMX (kernels/csrc/bf16_linear.cpp) take the
+# compiled matmul at every batch size, and no oneDNN copy of the weight is kept. oneDNN time / ours
+# on the development CPU (AMD Zen 5, one thread, weights cycled over 8-30 copies), SmolLM2 shapes
+# 576 -> 960, 576 -> 3072, 1536 -> 576: 1 row 1.4-1.7x, 4 rows 1.6-1.9x, 16 rows 1.6-1.9x, 64 rows
+# 1.03-1.17x, 128 rows 1.10-1.15x, 512 rows 1.01-1.07x, 2048 rows 1.02-1.05x
+# (`python -m benchmarks.kernels --quick --dtype bfloat16` for 64-256 rows).

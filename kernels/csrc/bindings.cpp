@@ -20,4 +20,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_segments", &lora_segments);
   m.def("amx_ready", &amx_ready);
   m.def("amx_linear", &amx_linear);
+  m.def("avx512_bf16_ready", &avx512_bf16_ready);
+  m.def("avx512_bf16_linear", &avx512_bf16_linear);
 }

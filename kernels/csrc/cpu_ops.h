@@ -17,3 +17,5 @@ void lora_segments(torch::Tensor y, torch::Tensor x, torch::Tensor lora_a, torch
                    std::vector<int64_t> slot_ranks, std::vector<int64_t> slice_offsets, std::vector<double> scales);
 bool amx_ready();
 void amx_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed);
+bool avx512_bf16_ready();
+void avx512_bf16_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed);

@@ -1,20 +1,23 @@
-"""The compiled AMX matmul (kernels/csrc/amx_linear.cpp) against its twin `reference.linear`.
+"""The compiled bf16 matmuls (kernels/csrc/amx_linear.cpp, bf16_linear.cpp) against their twin
+`reference.linear`, each kernel this machine can run.
 
 Both accumulate bf16 products in float32 and round once; only the order of the float32 sums
 differs. So an element may differ from the twin's by the float32 summation error (bounded by
 K * 2^-24 * sum |x_k w_k|, which matters where the sum cancels) plus one bf16 step where the two
-sums fall on either side of a rounding boundary, never more. On machines without AMX the op does not apply (and the
-packing says so), which the last test checks."""
+sums fall on either side of a rounding boundary, never more. Where a kernel does not apply (no such
+unit in this CPU, other dtypes, shapes it does not tile) the packing says so, which the last tests check."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from kernels import reference
-from kernels.cpu_ops import cpu_ops
-from kernels.linear import linear_packed, pack_linear_weight
+from kernels.linear import KINDS, available_kinds, linear_packed, pack_linear_weight
 
-needs_amx = pytest.mark.skipif(cpu_ops() is None or not cpu_ops().amx_ready(), reason="no AMX on this machine")
+HERE = available_kinds()
+kinds_here = pytest.mark.parametrize(
+    "kind", [pytest.param(kind, marks=pytest.mark.skipif(kind not in HERE, reason=f"no {kind} on this machine")) for kind in KINDS]
+)
 
 
 def _randn(*shape: int, seed: int) -> torch.Tensor:
@@ -30,13 +33,18 @@ def _tolerance(x: torch.Tensor, weight: torch.Tensor, expected: torch.Tensor) ->
     return step + summation
 
 
-@needs_amx
-@pytest.mark.parametrize("rows", [1, 17, 32, 64, 100])
-@pytest.mark.parametrize(("in_features", "out_features"), [(576, 960), (64, 32), (1536, 576)])
-def test_amx_linear_matches_reference(rows: int, in_features: int, out_features: int) -> None:
+@kinds_here
+@pytest.mark.parametrize("rows", [1, 7, 17, 32, 64, 100])
+@pytest.mark.parametrize(("in_features", "out_features"), [(576, 960), (64, 32), (1536, 576), (64, 80)])
+def test_compiled_linear_matches_reference(kind: str, rows: int, in_features: int, out_features: int) -> None:
+    """Row counts that are and are not whole tiles; 80 output columns leave the AVX512-BF16 kernel
+    a group of two column blocks (and are no whole AMX block: that kernel declines them)."""
     x, weight = _randn(rows, in_features, seed=rows), _randn(out_features, in_features, seed=in_features)
-    packed = pack_linear_weight(weight)
-    assert packed is not None
+    packed = pack_linear_weight(weight, kind)
+    if kind == "amx" and out_features % 32:
+        assert packed is None
+        return
+    assert packed is not None and packed.kind == kind
     y = linear_packed(x, packed)
     expected = reference.linear(x, weight)
     assert y.shape == expected.shape and y.dtype == torch.bfloat16
@@ -45,20 +53,20 @@ def test_amx_linear_matches_reference(rows: int, in_features: int, out_features:
     assert (y == expected).float().mean() > 0.99  # nearly all elements to the bit
 
 
-@needs_amx
-def test_amx_linear_reads_a_row_block_past_the_first() -> None:
-    """64 rows are two row blocks: each must see its own rows, the second block from the cached weights."""
+@kinds_here
+def test_compiled_linear_reads_a_row_tile_past_the_first(kind: str) -> None:
+    """64 rows are several row tiles: each must see its own rows, the later ones from the cached weights."""
     x, weight = _randn(64, 64, seed=3), _randn(32, 64, seed=4)
     x[32:] = 0
-    y = linear_packed(x, pack_linear_weight(weight))
+    y = linear_packed(x, pack_linear_weight(weight, kind))
     assert (y[32:] == 0).all() and (y[:32] != 0).any()
 
 
-@needs_amx
-def test_amx_linear_splits_column_blocks_over_threads() -> None:
-    """Each thread configures its own tiles and takes a run of column blocks."""
+@kinds_here
+def test_compiled_linear_splits_column_blocks_over_threads(kind: str) -> None:
+    """Each thread takes a run of column blocks (and, on AMX, configures its own tiles)."""
     x, weight = _randn(64, 576, seed=5), _randn(3072, 576, seed=6)
-    packed = pack_linear_weight(weight)
+    packed = pack_linear_weight(weight, kind)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -69,8 +77,17 @@ def test_amx_linear_splits_column_blocks_over_threads() -> None:
         torch.set_num_threads(threads)
 
 
-def test_pack_declines_what_the_op_cannot_run() -> None:
-    assert pack_linear_weight(_randn(48, 64, seed=0)) is None  # 48 output columns: not whole blocks
-    assert pack_linear_weight(_randn(64, 64, seed=0).float()) is None  # float32
-    if cpu_ops() is None or not cpu_ops().amx_ready():
-        assert pack_linear_weight(_randn(64, 64, seed=0)) is None
+@kinds_here
+def test_pack_declines_what_the_kernel_cannot_run(kind: str) -> None:
+    assert pack_linear_weight(_randn(48, 64, seed=0), kind) is None or kind == "avx512_bf16"  # 48: no AMX block
+    assert pack_linear_weight(_randn(40, 64, seed=0), kind) is None  # 40 output columns: no whole 16-column block
+    assert pack_linear_weight(_randn(64, 63, seed=0), kind) is None  # odd K: no whole pairs
+    assert pack_linear_weight(_randn(64, 64, seed=0).float(), kind) is None  # float32
+
+
+def test_pack_declines_kernels_this_cpu_lacks() -> None:
+    for kind in KINDS:
+        if kind not in HERE:
+            assert pack_linear_weight(_randn(64, 64, seed=0), kind) is None
+    default = pack_linear_weight(_randn(64, 64, seed=0))
+    assert (default is None) == (not HERE) and (default is None or default.kind == HERE[0])

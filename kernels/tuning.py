@@ -105,7 +105,8 @@ def decode_splits(num_programs: int, max_seq_len: int) -> int:
 AMX_LINEAR_MAX_ROWS = 96
 # CPU bf16 projections on AVX512-BF16 CPUs without AMX (kernels/csrc/bf16_linear.cpp) take the
 # compiled matmul at every batch size, and no oneDNN copy of the weight is kept. oneDNN time / ours
-# on the development CPU (AMD Zen 5, one thread, weights cycled over 8-30 copies), SmolLM2 shapes
-# 576 -> 960, 576 -> 3072, 1536 -> 576: 1 row 1.4-1.7x, 4 rows 1.6-1.9x, 16 rows 1.6-1.9x, 64 rows
-# 1.03-1.17x, 128 rows 1.10-1.15x, 512 rows 1.01-1.07x, 2048 rows 1.02-1.05x
-# (`python -m benchmarks.kernels --quick --dtype bfloat16` for 64-256 rows).
+# on the development CPU (AMD Zen 5, one thread, each call on the next of 8 copies of the weight;
+# `python -m benchmarks.kernels --quick --dtype bfloat16`), rows 1 / 16 / 64 / 128 / 256:
+# 576 -> 3072: 1.11x, 1.69x, 1.19x, 1.13x, 1.04x; 1536 -> 576: 1.35x, 1.53x, 1.18x, 1.11x, 1.05x;
+# the LM head 576 -> 49152: 0.93x, 1.64x, 1.20x, 1.11x, 1.05x. At 512 and 2048 rows (a one-off
+# measurement of the same shapes, 8-30 copies) 1.01-1.07x.

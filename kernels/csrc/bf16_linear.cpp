@@ -2,8 +2,8 @@
 //
 // Why not oneDNN: on the development CPU (AMD Zen 5) its prepacked bf16 matmul ran the SmolLM2
 // projections at 280-400 GFLOP/s for 16-96 rows with the weights out of cache (a decode step's
-// case), against an instruction peak of ~505; this kernel runs them at 450-465, and at 1-4 rows, where
-// reading the weights is the cost, 1.4-1.9x faster than oneDNN (figures in kernels/tuning.py).
+// case), against an instruction peak of ~505; this kernel runs them at 450-465 (figures against
+// oneDNN at 1-2048 rows in kernels/tuning.py).
 //
 // Layout: W [N, K] is packed once (kernels.linear.pack_linear_weight) into blocks of 16 output
 // columns, each running over K in pairs: packed[n_block][k_pair][column (16)][2], so one k-pair of a

@@ -6,6 +6,7 @@ its text and stop criteria -> finished requests leave the scheduler and free the
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from concurrent.futures import Future
 import logging
@@ -202,14 +203,46 @@ class Engine:
         logits = runner_output.logits
         if rows.sample_rows != tuple(range(logits.shape[0])):  # prompt rows are mixed in
             logits = logits[list(rows.sample_rows)]
-        result = self.sampler.sample(logits, [state.sampling for state in states])
         outputs = []
-        for row, (state, token_id, logprob) in enumerate(zip(states, result.token_ids, result.logprobs)):
-            outputs.extend(self._append_token(state, token_id, logprob))
-            group = self._group_of.get(state.request_id)
-            if group is not None and group.needs_fork:
-                outputs.extend(self._fork_candidates(group, logits[row]))
+        for row, (state, sample) in enumerate(zip(states, self._sample_each(logits, states))):
+            try:
+                if isinstance(sample, Exception):
+                    raise sample
+                outputs.extend(self._append_token(state, *sample))
+                group = self._group_of.get(state.request_id)
+                if group is not None and group.needs_fork:
+                    outputs.extend(self._fork_candidates(group, logits[row]))
+            except Exception as error:  # this request's own processing (its grammar, say): it alone fails
+                logger.exception("request %s failed while generating", state.request_id)
+                outputs.append(self._fail_request(state, error))
         return outputs
+
+    def _sample_each(self, logits: torch.Tensor, states: list[RequestState]) -> list[tuple[int, float] | Exception]:
+        """(token, logprob) per row, sampled as one batch; if the batch raises, each row alone, so
+        that a request whose logits processing fails gets its error and the others their tokens.
+        (Rows redrawn alone after a failure inside the batch's draws may not repeat their seeded
+        draws; the batch raises before drawing in every failure we know of: the processors run first.)"""
+        try:
+            result = self.sampler.sample(logits, [state.sampling for state in states])
+            return list(zip(result.token_ids, result.logprobs))
+        except Exception:
+            samples: list[tuple[int, float] | Exception] = []
+            for row, state in enumerate(states):
+                try:
+                    result = self.sampler.sample(logits[row : row + 1], [state.sampling])
+                    samples.append((result.token_ids[0], result.logprobs[0]))
+                except Exception as error:
+                    samples.append(error)
+            return samples
+
+    def _fail_request(self, state: RequestState, error: Exception) -> RequestOutput:
+        """End a request (every candidate of its best_of group) with `error`; its blocks return now."""
+        wrapped = error if isinstance(error, EngineError) else EngineError(f"generation failed: {error}")
+        group = self._group_of.get(state.request_id)
+        state.fail(wrapped)
+        self.abort(state.request_id)
+        output = state.snapshot()
+        return output if group is None else dataclasses.replace(output, request_id=group.request_id)
 
     def _append_token(self, state: RequestState, token_id: int, logprob: float) -> list[RequestOutput]:
         """Add the token; finish the request if it stopped; return what callers should see now."""

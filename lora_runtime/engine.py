@@ -206,14 +206,14 @@ class Engine:
         outputs = []
         for row, (state, sample) in enumerate(zip(states, self._sample_each(logits, states))):
             try:
-                if isinstance(sample, Exception):
-                    raise sample
+                if isinstance(sample, Exception):  # its sampling failed (see _sample_each)
+                    outputs.append(self._fail_request(state, sample))
+                    continue
                 outputs.extend(self._append_token(state, *sample))
                 group = self._group_of.get(state.request_id)
                 if group is not None and group.needs_fork:
                     outputs.extend(self._fork_candidates(group, logits[row]))
             except Exception as error:  # this request's own processing (its grammar, say): it alone fails
-                logger.exception("request %s failed while generating", state.request_id)
                 outputs.append(self._fail_request(state, error))
         return outputs
 
@@ -237,6 +237,7 @@ class Engine:
 
     def _fail_request(self, state: RequestState, error: Exception) -> RequestOutput:
         """End a request (every candidate of its best_of group) with `error`; its blocks return now."""
+        logger.error("request %s failed while generating", state.request_id, exc_info=error)
         wrapped = error if isinstance(error, EngineError) else EngineError(f"generation failed: {error}")
         group = self._group_of.get(state.request_id)
         state.fail(wrapped)

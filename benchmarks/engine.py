@@ -2,8 +2,9 @@
 
     python -m benchmarks.engine [--threads 1] [--num-requests 64] [--new-tokens 64] [--adapters N]
 
-64 requests of ~20-60 prompt tokens, 64 new tokens each, greedy, EOS ignored, on the embedded model,
-bf16. Without `--adapters`: ours against HF's batched `generate`. With `--adapters N`: the requests
+64 requests of ~20-60 prompt tokens, 64 new tokens each, greedy, EOS ignored, on the embedded model
+in the engine's default dtype ("auto": bf16 where the CPU multiplies it natively, else float32;
+`--dtype` picks one), the baselines in the same dtype. Without `--adapters`: ours against HF's batched `generate`. With `--adapters N`: the requests
 are spread over N random adapters (ranks 8-64; `--targets`, default PEFT's default for Llama, q_proj and
 v_proj; `all-linear` for every projection) and run against PEFT's mixed-
 adapter batched `generate` (`adapter_names=`), and against our own base-model run (LoRA overhead).
@@ -98,6 +99,7 @@ def median_of_interleaved(runs: dict[str, Callable[[], dict]], repeats: int) -> 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtype", default="auto", help="our model's dtype (auto, float32, bfloat16); the baselines use the same")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--adapters", type=int, default=0, help="spread requests over N random adapters")
@@ -117,10 +119,12 @@ def main(argv=None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(args.threads)
     model_dir = ensure_embedded_model()
-    engine = Engine.from_config(EngineConfig(scheduler=SchedulerConfig(max_num_seqs=args.num_requests)))
+    engine = Engine.from_config(EngineConfig(dtype=args.dtype, scheduler=SchedulerConfig(max_num_seqs=args.num_requests)))
     prompts = make_prompts(engine.tokenizer, args.num_requests)
     pad_id = engine.tokenizer.eos_token_id
-    report: dict = {"threads": args.threads, "dtype": "bfloat16", "num_requests": args.num_requests,
+    dtype = engine.model.dtype
+    report: dict = {"threads": args.threads, "dtype": engine.dtype_name, "kernel_backend": engine.kernel_backend,
+                    "num_requests": args.num_requests,
                     "new_tokens": args.new_tokens, "adapters": args.adapters, "targets": args.targets}
     runs = {"ours": lambda: run_ours(engine, prompts, args.new_tokens)}
     if args.adapters:
@@ -137,12 +141,12 @@ def main(argv=None) -> dict:
         _log(f"ours, {args.adapters} adapters", mixed)
         logger.info("LoRA overhead against our base model: %+.0f%%", 100 * report["lora_overhead"])
         if not args.skip_baseline:
-            report["peft_generate"] = peft = run_peft(model_dir, paths, prompts, adapter_of, args.new_tokens, torch.bfloat16, pad_id)
+            report["peft_generate"] = peft = run_peft(model_dir, paths, prompts, adapter_of, args.new_tokens, dtype, pad_id)
             report["ratio_vs_peft"] = mixed["tokens_per_cpu_s"] / peft["tokens_per_cpu_s"]
             _log("PEFT mixed-adapter generate", peft)
             logger.info("ours / PEFT = %.2fx (CPU time)", report["ratio_vs_peft"])
     elif not args.skip_baseline:
-        report["hf_generate"] = hf = run_hf(model_dir, prompts, args.new_tokens, torch.bfloat16, pad_id)
+        report["hf_generate"] = hf = run_hf(model_dir, prompts, args.new_tokens, dtype, pad_id)
         report["ratio_vs_hf"] = ours["tokens_per_cpu_s"] / hf["tokens_per_cpu_s"]
         _log(f"HF generate (batch {args.num_requests})", hf)
         logger.info("ours / HF = %.2fx (CPU time)", report["ratio_vs_hf"])
@@ -154,7 +158,7 @@ def main(argv=None) -> dict:
                 floor["tokens_per_s"], floor["weight_mb_per_step"], floor["read_gb_per_s"], floor["matmul_gflop_per_s"],
                 100 * report["ours_of_floor"])
     if floor["instruction_tokens_per_s"] is not None:
-        logger.info("floor at the bf16 instruction peak (%.0f GFLOP/s): %.0f tokens/s",
+        logger.info("floor at the %s instruction peak (%.0f GFLOP/s): %.0f tokens/s", engine.dtype_name,
                     floor["instruction_gflop_per_s"], floor["instruction_tokens_per_s"])
     report.update(_goal_against_floor(report, floor))
     print(json.dumps(report))
@@ -164,7 +168,7 @@ def main(argv=None) -> dict:
 def _goal_against_floor(report: dict, floor: dict) -> dict:
     """The issue's goal in tokens/s and as a fraction of the highest floor measured (the base model's:
     adapters only add work, so it bounds the adapter runs too). Above 1, no engine reaches the goal
-    on this machine with this model's bf16 arithmetic."""
+    on this machine with this model's arithmetic in this dtype."""
     if "hf_generate" in report:
         goal = GOAL_VS_HF * report["hf_generate"]["tokens_per_cpu_s"]
         name = f"{GOAL_VS_HF:g}x HF"

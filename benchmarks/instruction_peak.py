@@ -1,69 +1,53 @@
-"""The bf16 multiply-add peak of one core, from a loop that does nothing else.
+"""One core's multiply-add peak for the model's arithmetic, from a loop that does nothing else.
 
 The roofline's matmul rate is what a matmul library reaches, which an engine with a better kernel
-could exceed. A floor no implementation can beat needs the instruction's own peak: 24 independent
-chains of AVX512-BF16 `vdpbf16ps` on registers (each 64 FLOPs over 16 float32 lanes), enough chains
-to hide its latency (on the development CPU the rate stops growing at 16). CPUs with AMX multiply
-bf16 on tiles, far faster than this instruction: there the probe says nothing and returns None, as it
-does where the CPU lacks AVX512-BF16 or the probe cannot be compiled.
+could exceed. A floor no implementation can beat needs the instruction's own peak. The probes are
+compiled into the CPU ops, one per instruction-set form (kernels/csrc/peak.cpp): independent chains of
+the widest multiply-add of the active form, enough of them to hide its latency:
+- float32: `vfmadd` on 256-bit (AVX2 + FMA) or 512-bit (AVX-512) vectors;
+- bfloat16: `vdpbf16ps` (AVX512-BF16), or `tdpbf16ps` tiles where the CPU has AMX.
+Where the compiled ops are missing, or their form has no instruction for the dtype (the generic
+form; bf16 without AVX512-BF16), the probe returns None and the roofline keeps the library's rate.
+
+    python -m benchmarks.instruction_peak [--dtype float32|bfloat16]
 """
 from __future__ import annotations
 
-import functools
-import logging
+import argparse
 
-from kernels.cpu_ops import cpu_flags
-
-logger = logging.getLogger(__name__)
-
-_CHAINS = 24
-_SOURCE = r"""
-#include <immintrin.h>
-#include <chrono>
-#include <cstdint>
-
-// `seed` is a runtime value so the compiler can neither fold the chains nor merge them into one.
-__attribute__((target("avx512f,avx512bf16"))) double bf16_dot_flops(int64_t iterations, double seed) {
-  __m512 acc[CHAINS];
-  for (int c = 0; c < CHAINS; ++c) acc[c] = _mm512_set1_ps(static_cast<float>(seed * (c + 1)));
-  const __m512bh x = (__m512bh)_mm512_set1_ps(static_cast<float>(seed));
-  const __m512bh y = (__m512bh)_mm512_set1_ps(static_cast<float>(1e-3 * seed));
-  const auto start = std::chrono::steady_clock::now();
-  for (int64_t i = 0; i < iterations; ++i) {
-#pragma GCC unroll 24
-    for (int c = 0; c < CHAINS; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], x, y);
-  }
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  __m512 sum = acc[0];
-  for (int c = 1; c < CHAINS; ++c) sum = _mm512_add_ps(sum, acc[c]);
-  volatile float sink = _mm512_reduce_add_ps(sum);  // the chains' results are used
-  (void)sink;
-  return static_cast<double>(iterations) * CHAINS * 64 / seconds;
-}
-"""
+from kernels import cpu_ops
 
 
-@functools.cache
-def _probe():
-    from torch.utils.cpp_extension import load_inline
-
-    return load_inline(name=f"lora_serve_bf16_peak_{_CHAINS}", cpp_sources=_SOURCE.replace("CHAINS", str(_CHAINS)),
-                       functions=["bf16_dot_flops"], extra_cflags=["-O2"], verbose=False)
-
-
-def bf16_instruction_peak(tries: int = 3, iterations: int = 20_000_000) -> float | None:
-    """Best of `tries` runs of the probe, in FLOP/s; None where it does not describe this CPU."""
-    flags = cpu_flags()
-    if "avx512_bf16" not in flags or "amx_bf16" in flags:
+def probe_kind(dtype: str) -> str | None:
+    """The probe of the instruction that multiplies `dtype` in the active form, if it has one."""
+    form = cpu_ops.active_form()
+    if form is None or form == "generic":
         return None
-    try:
-        probe = _probe()
-    except Exception as error:  # no compiler: the roofline keeps the matmul library's rate alone
-        logger.warning("bf16 instruction-peak probe unavailable (%s)", error)
+    if dtype == "float32":
+        return "f32_fma"
+    if dtype == "bfloat16":
+        return {"amx": "amx_bf16", "avx512_bf16": "bf16_dot"}.get(form)
+    return None
+
+
+def instruction_peak(dtype: str, tries: int = 3, iterations: int = 20_000_000) -> float | None:
+    """Best of `tries` runs of the probe, in FLOP/s; None where no probe describes this CPU and dtype."""
+    kind = probe_kind(dtype)
+    if kind is None:
         return None
-    return max(probe.bf16_dot_flops(iterations, 1.0 + attempt) for attempt in range(tries))
+    ops = cpu_ops.ops()
+    rounds = iterations if kind != "amx_bf16" else iterations // 64  # a tile product is 256 vector ones
+    return max(ops.peak_flops(kind, rounds, 1.0 + attempt) for attempt in range(tries))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    args = parser.parse_args(argv)
+    peak = instruction_peak(args.dtype)
+    where = f"{probe_kind(args.dtype)}, compiled CPU ops form {cpu_ops.active_form()}, one core"
+    print(f"no {args.dtype} instruction peak to probe here" if peak is None else f"{peak / 1e9:.0f} GFLOP/s {args.dtype} ({where})")
 
 
 if __name__ == "__main__":
-    peak = bf16_instruction_peak()
-    print("no AVX512-BF16 peak on this CPU" if peak is None else f"{peak / 1e9:.0f} GFLOP/s bf16 (vdpbf16ps, one core)")
+    main()

@@ -1,9 +1,10 @@
 """Kernel benchmark: multi-adapter LoRA against two naive baselines, paged attention, and (on CPUs
 with AMX or AVX512-BF16) the compiled bf16 matmuls of the projections against oneDNN.
 
-    python -m benchmarks.kernels [--threads 1] [--dtype float32] [--quick]
+    python -m benchmarks.kernels [--threads 1] [--dtype float32] [--quick] [--form avx2]
 
-LoRA: our `kernels.add_lora` against (a) a per-adapter Python loop (mask, gather, two matmuls,
+Every op runs on the device's backend (`kernels.backend_for`; on CPU the compiled ops in the best
+form this CPU runs, or the one `--form` names). LoRA: our `add_lora` against (a) a per-adapter Python loop (mask, gather, two matmuls,
 scatter) and (b) per-token gather of the weights + bmm, over hidden sizes, ranks, batch sizes and
 adapter counts with uniform and skewed popularity, and its overhead as a fraction of the base
 projection's matmul, measured as (base matmul then add_lora) / (base matmul alone) - 1, with
@@ -13,9 +14,9 @@ and the adapters are held as the engine's pool holds them (fp32 on CPU, lora_b's
 and a PNG plot to benchmarks/results/.
 
 Projections: bf16 SmolLM2 shapes at 1-256 rows, each call on the next of 8 copies of the weight
-(the copies exceed the L2 cache, as a decode step's 30 layers do), `kernels.linear_packed` with
-each kernel this CPU runs against oneDNN's prepacked matmul (what `lora_runtime`'s Linear takes
-where no compiled kernel applies, and on AMX above `tuning.AMX_LINEAR_MAX_ROWS`)."""
+(the copies exceed the L2 cache, as a decode step's 30 layers do), `kernels.linear.linear_packed`
+with each kernel this CPU's form runs against oneDNN's prepacked matmul (which the CPU backend keeps
+on AMX above `tuning.AMX_LINEAR_MAX_ROWS`)."""
 from __future__ import annotations
 
 import argparse
@@ -32,7 +33,8 @@ from typing import Callable
 import torch
 
 import kernels
-from kernels.linear import available_kinds
+from kernels import cpu_ops
+from kernels.linear import available_kinds, linear_packed, pack_linear_weight
 
 LOG = logging.getLogger("benchmarks.kernels")
 RESULTS_DIR = Path(__file__).parent / "results"
@@ -123,27 +125,29 @@ def gather_bmm(y, x, lora_a, lora_b, slots, scales) -> None:
     y.add_((delta * scales.index_select(0, slots)[:, None]).to(y.dtype))
 
 
-def bench_lora_case(case: LoraCase, dtype: torch.dtype, device: torch.device, timer) -> dict:
+def bench_lora_case(case: LoraCase, dtype: torch.dtype, backend: kernels.Backend, timer) -> dict:
+    device = backend.device
     gen = torch.Generator().manual_seed(0)
     slots = token_slots(case, gen).to(device)
     x = torch.randn(case.num_tokens, case.hidden_in, generator=gen).to(device, dtype)
     weight = torch.randn(case.out, case.hidden_in, generator=gen).to(device, dtype) / case.hidden_in**0.5
-    # The adapters as the engine's pool holds them: fp32 on CPU whatever the model's dtype (tiny
-    # 16-bit matmuls are slower there), lora_b stored [S, R, out] and used as its [S, out, R] view.
-    weight_dtype = torch.float32 if device.type == "cpu" else dtype
+    # The adapters as the engine's pool holds them: in the backend's LoRA dtype (fp32 on CPU), lora_b
+    # stored [S, R, out] and used as its [S, out, R] view.
+    weight_dtype = backend.lora_weight_dtype(dtype)
     lora_a = torch.randn(case.num_adapters, case.rank, case.hidden_in, generator=gen).to(device, weight_dtype)
     lora_b = torch.randn(case.num_adapters, case.rank, case.out, generator=gen).to(device, weight_dtype).transpose(1, 2)
     scales = torch.full((case.num_adapters,), 0.5, device=device, dtype=weight_dtype)
     y = torch.zeros(case.num_tokens, case.out, device=device, dtype=dtype)
-    meta = kernels.LoraBatchMeta.from_token_slots(slots, [case.rank] * case.num_adapters)
-    linear = torch.nn.functional.linear
+    slot_list, scale_list = slots.tolist(), scales.tolist()
+    plan = backend.plan_lora(slot_list)
+    linear = backend.linear(weight)
     fns = {
-        "base": lambda: linear(x, weight),
-        "ours": lambda: kernels.add_lora(y, x, lora_a, lora_b, meta, scales),
+        "base": lambda: linear(x),
+        "ours": lambda: backend.add_lora(y, x, lora_a, lora_b, plan, scale_list),
         # Right after the base matmul, as in the model: its weights push the adapters' out of cache.
-        "base_then_ours": lambda: kernels.add_lora(linear(x, weight), x, lora_a, lora_b, meta, scales),
+        "base_then_ours": lambda: backend.add_lora(linear(x), x, lora_a, lora_b, plan, scale_list),
         "adapter_loop": lambda: adapter_loop(y, x, lora_a, lora_b, slots, scales),
-        "meta_build": lambda: kernels.LoraBatchMeta.from_token_slots(slots),
+        "plan_build": lambda: backend.plan_lora(slot_list),
     }
     gather_bytes = case.num_tokens * case.rank * (case.hidden_in + case.out) * x.element_size()
     if gather_bytes <= MAX_GATHER_BYTES:
@@ -157,7 +161,7 @@ def bench_lora_case(case: LoraCase, dtype: torch.dtype, device: torch.device, ti
     return row
 
 
-def bench_attention(dtype: torch.dtype, device: torch.device, timer) -> list[dict]:
+def bench_attention(dtype: torch.dtype, backend: kernels.Backend, timer) -> list[dict]:
     """The engine's common step: 64 decode sequences of 20-150 tokens, with and without two
     prefill chunks; SmolLM2-135M heads (9 query / 3 KV, head_dim 64), block 16."""
     gen = torch.Generator().manual_seed(0)
@@ -167,11 +171,12 @@ def bench_attention(dtype: torch.dtype, device: torch.device, timer) -> list[dic
         ("decode64", [1] * 64, decode_lens),
         ("decode64+prefill2", [1] * 64 + [256, 128], decode_lens + [256, 400]),
     ]:
-        q, k_cache, v_cache, meta = _paged_batch(q_lens, seq_lens, dtype, device, gen)
-        build = lambda: kernels.PagedAttentionMeta.build(meta.query_start_loc, meta.seq_lens, meta.block_tables, 16)
-        timings = timer({"attention": lambda: kernels.paged_attention(q, k_cache, v_cache, meta, 0.125), "build": build})
-        step, build = timings["attention"]["min"], timings["build"]["min"]
-        rows.append({"case": name, "per_layer_s": step, "meta_build_s": build, "per_step_30_layers_s": 30 * step + build})
+        q, k_cache, v_cache, step = _paged_batch(q_lens, seq_lens, dtype, backend.device, gen)
+        plan = backend.plan_attention(step)
+        timings = timer({"attention": lambda: backend.paged_attention(q, k_cache, v_cache, plan, 0.125),
+                         "build": lambda: backend.plan_attention(step)})
+        layer, build = timings["attention"]["min"], timings["build"]["min"]
+        rows.append({"case": name, "per_layer_s": layer, "plan_build_s": build, "per_step_30_layers_s": 30 * layer + build})
     return rows
 
 
@@ -183,11 +188,11 @@ def bench_projections(timer) -> list[dict]:
         weights = [torch.randn(out_features, in_features, dtype=torch.bfloat16) for _ in range(8)]
         onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
         for kind in available_kinds():
-            packed = [kernels.pack_linear_weight(w, kind) for w in weights]
+            packed = [pack_linear_weight(w, kind) for w in weights]
             for num_rows in (1, 16, 64, 96, 128, 256):
                 x = torch.randn(num_rows, in_features, dtype=torch.bfloat16)
                 timings = timer({
-                    "compiled": lambda: [kernels.linear_packed(x, p) for p in packed],
+                    "compiled": lambda: [linear_packed(x, p) for p in packed],
                     "onednn": lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in onednn],
                 })
                 rows.append({"kind": kind, "in": in_features, "out": out_features, "rows": num_rows,
@@ -199,18 +204,16 @@ def _paged_batch(q_lens, seq_lens, dtype, device, gen):
     block_size, kv_heads, head_dim = 16, 3, 64
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
     order = torch.randperm(sum(blocks_per_seq), generator=gen)
-    tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
-    used = 0
-    for b, count in enumerate(blocks_per_seq):
-        tables[b, :count] = order[used : used + count].to(torch.int32)
+    tables, used = [], 0
+    for count in blocks_per_seq:
+        tables.append(order[used : used + count].tolist())
         used += count
     cache_shape = (sum(blocks_per_seq), block_size, kv_heads, head_dim)
     k_cache = torch.randn(cache_shape, generator=gen).to(device, dtype)
     v_cache = torch.randn(cache_shape, generator=gen).to(device, dtype)
     q = torch.randn(sum(q_lens), 9, head_dim, generator=gen).to(device, dtype)
-    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    meta = kernels.PagedAttentionMeta.build(starts, torch.tensor(seq_lens, device=device), tables.to(device), block_size)
-    return q, k_cache, v_cache, meta
+    starts = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
+    return q, k_cache, v_cache, kernels.StepSequences(starts, seq_lens, tables, block_size)
 
 
 def log_lora_table(rows: list[dict]) -> None:
@@ -261,28 +264,39 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--quick", action="store_true", help="576-wide projection and ranks 8, 16 only")
     parser.add_argument("--seconds", type=float, default=0.5, help="CPU timing budget per case")
+    parser.add_argument("--form", default=None, help="compiled CPU ops form (default: the best this CPU runs)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.form:
+        with cpu_ops.using_form(args.form):
+            run(args, device)
+    else:
+        run(args, device)
+
+
+def run(args: argparse.Namespace, device: torch.device) -> None:
     dtype = getattr(torch, args.dtype)
+    backend = kernels.backend_for(device)
     timer = make_timer(device, args.seconds)
-    rows = [bench_lora_case(case, dtype, device, timer) for case in lora_cases(args.quick)]
+    LOG.info("backend %s, %s, %d thread(s)", backend.label, args.dtype, args.threads)
+    rows = [bench_lora_case(case, dtype, backend, timer) for case in lora_cases(args.quick)]
     log_lora_table(rows)
     for r in goal_rows(rows):
         verdict = "meets" if r["overhead"] <= GOAL["max_overhead"] else "misses"
         LOG.info("goal (<= 15%%): rank %d %s: %.1f%% -> %s", r["rank"], r["popularity"], 100 * r["overhead"], verdict)
-    attention = bench_attention(dtype, device, timer)
+    attention = bench_attention(dtype, backend, timer)
     for r in attention:
-        LOG.info("paged attention %-18s %8.0f us/layer  meta %6.0f us  30 layers %6.1f ms", r["case"],
-                 r["per_layer_s"] * 1e6, r["meta_build_s"] * 1e6, r["per_step_30_layers_s"] * 1e3)  # fmt: skip
+        LOG.info("paged attention %-18s %8.0f us/layer  plan %6.0f us  30 layers %6.1f ms", r["case"],
+                 r["per_layer_s"] * 1e6, r["plan_build_s"] * 1e6, r["per_step_30_layers_s"] * 1e3)  # fmt: skip
     projections = bench_projections(timer) if device.type == "cpu" else []
     for r in projections:
         LOG.info("projection %4d -> %5d, %3d rows: %s %7.0f us  oneDNN %7.0f us  (%.2fx)", r["in"], r["out"], r["rows"],
                  r["kind"], r["compiled_s"] * 1e6, r["onednn_s"] * 1e6, r["onednn_s"] / r["compiled_s"])  # fmt: skip
     RESULTS_DIR.mkdir(exist_ok=True)
     stem = f"kernels_{device.type}_{args.dtype}_{args.threads}t{'_quick' if args.quick else ''}"
-    environment = {"torch": torch.__version__, "threads": args.threads, "dtype": args.dtype,
+    environment = {"torch": torch.__version__, "threads": args.threads, "dtype": args.dtype, "backend": backend.label,
                    "device": device.type, "cpu": platform.processor() or platform.machine()}  # fmt: skip
     payload = {"environment": environment, "lora": rows, "attention": attention, "projections": projections}
     (RESULTS_DIR / f"{stem}.json").write_text(json.dumps(payload, indent=1))

@@ -1,16 +1,18 @@
-"""The least time any engine could take for the engine benchmark's workload on this machine.
+"""The least time any engine could take for the engine benchmark's workload on this machine, in the
+model's dtype.
 
-A bf16 decode step must read every projection weight (and the tied embedding as the LM head) once,
+A decode step must read every projection weight (and the tied embedding as the LM head) once,
 and every sequence's cached keys and values once; a prefill must do its matmul FLOPs, the LM head's
 only for each prompt's last position (the one row whose logits it needs). The floor charges each
 step max(bytes / read bandwidth, FLOPs / matmul peak), with both rates measured in this process (the
 best of a few tries, so the floor is optimistic). Everything else an engine does (norms, attention
 arithmetic, sampling, Python) is left out.
 
-Two matmul peaks: the rate a matmul library (oneDNN, through torch) reaches at prefill shape, and,
-where `benchmarks.instruction_peak` can measure it, the bf16 instruction's own peak. No
-implementation of the same model and bf16 arithmetic can beat the floor at the instruction peak;
-the floor at the library's rate is what an engine built on that library can hope for.
+Two matmul peaks: the rate a matmul library (oneDNN or MKL, through torch) reaches at prefill shape,
+and, where `benchmarks.instruction_peak` can measure it, the multiply-add instruction's own peak
+(FMA for float32, `vdpbf16ps` or AMX tiles for bf16). No implementation of the same model and
+arithmetic can beat the floor at the instruction peak; the floor at the library's rate is what an
+engine built on that library can hope for.
 """
 from __future__ import annotations
 
@@ -19,14 +21,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from benchmarks.instruction_peak import bf16_instruction_peak
+from benchmarks.instruction_peak import instruction_peak
 from lora_runtime.models.llama import LlamaModel
 
 
 @dataclass(frozen=True, slots=True)
 class MachineRates:
     read_bytes_per_s: float  # streaming read of a buffer far larger than the caches
-    matmul_flops_per_s: float  # a bf16 matmul of prefill shape, or the instruction peak
+    matmul_flops_per_s: float  # a matmul of prefill shape in the model's dtype, or the instruction peak
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,12 +48,12 @@ def _best_seconds(run, tries: int) -> float:
     return best
 
 
-def measure_rates(hidden: int, intermediate: int, tries: int = 5) -> MachineRates:
-    """Read bandwidth from summing 512 MiB; matmul peak from [2048, hidden] @ [hidden, intermediate] in bf16."""
+def measure_rates(hidden: int, intermediate: int, dtype: torch.dtype, tries: int = 5) -> MachineRates:
+    """Read bandwidth from summing 512 MiB; matmul peak from [2048, hidden] @ [hidden, intermediate] in `dtype`."""
     buffer = torch.ones(128 * 1024 * 1024, dtype=torch.float32)
     read_s = _best_seconds(buffer.sum, tries)
-    x = torch.randn(2048, hidden, dtype=torch.bfloat16)
-    w = torch.randn(hidden, intermediate, dtype=torch.bfloat16)
+    x = torch.randn(2048, hidden, dtype=dtype)
+    w = torch.randn(hidden, intermediate, dtype=dtype)
     matmul_s = _best_seconds(lambda: torch.mm(x, w), tries)
     return MachineRates(read_bytes_per_s=buffer.numel() * 4 / read_s,
                         matmul_flops_per_s=2 * x.shape[0] * hidden * intermediate / matmul_s)
@@ -90,7 +92,7 @@ def workload_floor(model: LlamaModel, prompt_lens: list[int], new_tokens: int) -
     """The floor of this workload on this machine, with the rates and costs it was computed from;
     `instruction_tokens_per_s` is the floor at the instruction peak (None where it was not measured)."""
     shape = model.shape
-    rates = measure_rates(shape.hidden_size, shape.intermediate_size)
+    rates = measure_rates(shape.hidden_size, shape.intermediate_size, model.dtype)
     costs = model_costs(model)
     num_tokens = len(prompt_lens) * new_tokens
     seconds = floor_seconds(costs, rates, prompt_lens, new_tokens)
@@ -98,7 +100,7 @@ def workload_floor(model: LlamaModel, prompt_lens: list[int], new_tokens: int) -
              "read_gb_per_s": rates.read_bytes_per_s / 1e9, "matmul_gflop_per_s": rates.matmul_flops_per_s / 1e9,
              "weight_mb_per_step": costs.weight_bytes / 1e6,
              "instruction_gflop_per_s": None, "instruction_tokens_per_s": None}
-    peak = bf16_instruction_peak()
+    peak = instruction_peak(str(model.dtype).removeprefix("torch."))
     if peak is not None:
         at_peak = replace(rates, matmul_flops_per_s=max(peak, rates.matmul_flops_per_s))
         floor["instruction_gflop_per_s"] = at_peak.matmul_flops_per_s / 1e9

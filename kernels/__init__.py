@@ -1,34 +1,12 @@
-"""Tensor ops of the serving stack: multi-adapter LoRA (SGMV/BGMV) and paged attention.
+"""Tensor ops of the serving stack: multi-adapter LoRA (SGMV/BGMV), paged attention, the fused
+per-token ops of the decoder block (norms, SiLU-and-multiply, rotary + KV write), the sampler's
+max/logsumexp, and the projections' matmuls.
 
-Pure tensor functions with no knowledge of requests or adapters' names. CUDA tensors run the
-Triton kernels, CPU tensors the compiled CPU ops or the fastest PyTorch path; `kernels.reference`
-holds the plain twins. Also the fused per-token ops of the decoder block (norms, SiLU-and-multiply,
-rotary + KV write), the sampler's max/logsumexp, compiled on CPU and plain PyTorch elsewhere, and
-compiled bf16 matmuls for the projections on CPUs with AMX or AVX512-BF16."""
-from kernels.attention.meta import PagedAttentionMeta
-from kernels.dispatch import (
-    add_lora,
-    max_logsumexp,
-    paged_attention,
-    rms_norm,
-    rotary_store_kv,
-    silu_and_mul,
-    store_kv,
-)
-from kernels.linear import PackedLinear, linear_packed, pack_linear_weight
-from kernels.lora.meta import LoraBatchMeta
+Pure tensor functions with no knowledge of requests or adapters' names, reached through one backend
+per device: `kernels.backend_for(device)` (Triton on CUDA, the compiled CPU ops on CPU, plain PyTorch
+elsewhere; see `kernels.backends`). `kernels.reference` holds the plain PyTorch twin of every op, the
+tests' oracle."""
+from kernels.attention.plans import StepSequences
+from kernels.backends import BACKEND_NAMES, Backend, backend_for
 
-__all__ = [
-    "LoraBatchMeta",
-    "PackedLinear",
-    "PagedAttentionMeta",
-    "add_lora",
-    "linear_packed",
-    "max_logsumexp",
-    "pack_linear_weight",
-    "paged_attention",
-    "rms_norm",
-    "rotary_store_kv",
-    "silu_and_mul",
-    "store_kv",
-]
+__all__ = ["BACKEND_NAMES", "Backend", "StepSequences", "backend_for"]

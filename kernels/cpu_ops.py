@@ -1,78 +1,132 @@
-"""The compiled CPU ops (`kernels/csrc/`), built once per machine with PyTorch's C++ extension tooling
-and cached in its extensions directory.
+"""The compiled CPU ops (`kernels/csrc/`), built at install time for every instruction-set form and
+chosen at import by what this CPU has (`cpuid`), as PyTorch and oneDNN choose their kernels.
 
 They exist because on CPU the step's small ops, not its matmuls, were the cost the matmul libraries
 cannot remove: each PyTorch elementwise op makes a pass over memory and a Python round trip, and
-attention over short paged contexts was dozens of tiny calls per layer. Measured figures are in
-`kernels.tuning`. Where the ops cannot be built (no C++ compiler or ninja), every caller falls back to
-the PyTorch path, with one warning.
+attention over short paged contexts was dozens of tiny calls per layer. `make install` (or
+`pip install .`) builds them; nothing is compiled at serve time. Where they are missing (installed
+without a compiler), older than the sources beside them, or refused by the CPU, the CPU backend is
+the PyTorch one, with one warning saying why.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-import hashlib
+import importlib
+import importlib.machinery
 import logging
-import os
-import platform
-import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
-from kernels import tuning
+from kernels import cpu_build, tuning
 
 logger = logging.getLogger(__name__)
 
-_CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [_CSRC / name for name in ("amx_linear.cpp", "bf16_linear.cpp", "attention.cpp", "elementwise.cpp", "lora.cpp", "reductions.cpp", "bindings.cpp")]
-# -fopenmp-simd: honour the `omp simd` loops (vectorised reductions) without OpenMP threading;
-# -fno-math-errno: lets sqrt vectorise (it never sets errno here); 512-bit vectors where the CPU
-# has them (GCC prefers 256 by default).
-_CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-fno-math-errno"]
+FORMS = tuple(cpu_build.FORMS)  # in the order of preference: the last one this CPU runs is used
+_PACKAGE_DIR = Path(__file__).resolve().parent
 
 
 @functools.cache
-def cpu_ops() -> ModuleType | None:
-    """The compiled module, or None when it cannot be built here (callers fall back)."""
-    from torch.utils.cpp_extension import load
-
-    # ninja ships as a Python package in our environment: make its binary findable.
-    scripts = str(Path(sys.executable).parent)
-    if scripts not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
-    logger.info("loading the compiled CPU ops (built once per machine, then cached)")
+def ops() -> ModuleType | None:
+    """The bindings with this CPU's best built form active, or None (callers take the PyTorch paths)."""
     try:
-        return load(name=_build_name(), sources=[str(s) for s in _SOURCES], extra_cflags=_CFLAGS, verbose=False)
-    except Exception as error:  # no compiler, no ninja, a build error: the PyTorch paths serve
-        logger.warning("compiled CPU ops unavailable (%s); using the PyTorch paths", error)
+        module = importlib.import_module("kernels._cpu_ops")
+    except ImportError as error:
+        logger.warning("compiled CPU ops are not installed (%s): serving through the PyTorch paths; "
+                       "`make install` builds them", error)
         return None
+    loaded = _load_forms(module)
+    if not loaded:
+        logger.warning("no compiled CPU op form can run here (built: %s; this CPU runs: %s): serving "
+                       "through the PyTorch paths", _built_forms(), module.supported_forms())
+        return None
+    module.use_form(loaded[-1])
+    if not _is_current(module):
+        logger.warning("compiled CPU ops are older than kernels/csrc or kernels/tuning.py: serving through "
+                       "the PyTorch paths; `make install` rebuilds them")
+        return None
+    logger.info("compiled CPU ops: form %s (runnable here: %s)", loaded[-1], ", ".join(loaded))
+    return module
 
 
-def _build_name() -> str:
-    """PyTorch rebuilds when a source file or a flag changes, but not when a header does, nor when
-    the cache directory is reused on another CPU (a home directory shared by different machines):
-    `-march=native` code from an AMX machine dies of an illegal instruction on one without AMX.
-    Naming the build after a digest of every file in csrc/ and of the CPU's features makes either
-    a new build."""
-    digest = hashlib.sha256()
-    for path in sorted(_CSRC.iterdir()):
-        digest.update(path.name.encode() + path.read_bytes())
-    digest.update(" ".join(sorted(cpu_flags())).encode() + platform.machine().encode())
-    return f"lora_serve_cpu_ops_{digest.hexdigest()[:12]}"
+def _library_path(form: str) -> Path | None:
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = _PACKAGE_DIR / f"{cpu_build.library_name(form)}{suffix}"
+        if path.is_file():
+            return path
+    return None
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags as Linux reports them (x86 `flags`, Arm `Features`); empty elsewhere."""
+def _built_forms() -> list[str]:
+    return [form for form in FORMS if _library_path(form) is not None]
+
+
+def _load_forms(module: ModuleType) -> list[str]:
+    """Load every built form this CPU supports; returns them in the order of preference."""
+    loaded = []
+    supported = set(module.supported_forms())
+    for form in FORMS:
+        path = _library_path(form)
+        if path is None or form not in supported:
+            continue
+        try:
+            module.load_form(str(path))
+            loaded.append(form)
+        except RuntimeError as error:  # a library from another build: the other forms still serve
+            logger.warning("compiled CPU op form %s cannot be loaded: %s", form, error)
+    return loaded
+
+
+def _is_current(module: ModuleType) -> bool:
+    """False when the sources beside the package (a development checkout) are newer than the build."""
+    if not cpu_build.CSRC.is_dir():
+        return True  # an installed wheel: no sources to compare with
+    return module.source_digest() == cpu_build.source_digest(tuning.CPU_KERNEL_CONSTANTS)
+
+
+def runnable_forms() -> list[str]:
+    """The forms built and supported by this CPU, in the order of preference."""
+    module = ops()
+    if module is None:
+        return []
+    supported = set(module.supported_forms())
+    return [form for form in _built_forms() if form in supported]
+
+
+def unavailable_reason(form: str) -> str | None:
+    """Why `form` cannot run here (None when it can)."""
+    module = ops()
+    if module is None:
+        return "the compiled CPU ops are unavailable"
+    if form not in module.supported_forms():
+        return f"this CPU cannot run the {form} form"
+    if _library_path(form) is None:
+        return f"the {form} form was not built (the compiler lacks its flags)"
+    return None
+
+
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX) and the compiled ops can use it;
+    without the compiled ops bf16 takes PyTorch's widened paths, slower than float32."""
+    return any(form in ("avx512_bf16", "amx") for form in runnable_forms())
+
+
+def active_form() -> str | None:
+    module = ops()
+    return module.active_form() if module is not None else None
+
+
+@contextlib.contextmanager
+def using_form(form: str) -> Iterator[ModuleType]:
+    """Run the compiled ops in `form` for the duration (tests and benchmarks compare the forms)."""
+    module = ops()
+    reason = unavailable_reason(form)
+    if module is None or reason is not None:
+        raise RuntimeError(reason)
+    previous = module.active_form()
+    module.use_form(form)
     try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return set()
-    for line in lines:
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return set(value.split())
-    return set()
-
-
-def available_for(tensor) -> bool:
-    """Whether the compiled ops serve this tensor: a CPU tensor, ops enabled and buildable."""
-    return tensor.device.type == "cpu" and tuning.CPU_COMPILED_OPS and cpu_ops() is not None
+        yield module
+    finally:
+        module.use_form(previous)

@@ -1,18 +1,22 @@
-"""Compiled bf16 matmuls for CPU projections: a weight packed once into the layout of this CPU's
-kernel, then `linear_packed` per call. Two kernels (kernels/csrc/): `amx` on Intel AMX tiles
-(decode-sized batches; oneDNN is faster above `tuning.AMX_LINEAR_MAX_ROWS`) and `avx512_bf16` on
-`vdpbf16ps` for AVX512-BF16 CPUs without AMX (faster than oneDNN at every size measured).
-Where neither applies (other CPUs or dtypes, devices, dimensions), `pack_linear_weight` returns None
-and callers keep their matmul library. Semantics: `x @ weight.T` accumulated in float32 and rounded
-to bf16 once (`kernels.reference.linear`)."""
+"""Linear projections, `y = x @ weight.T + bias`, with the weight laid out once for its backend's
+fastest matmul. `Backend.linear(weight, bias)` picks the form; each is a callable `x -> y`.
+
+- `PlainLinear`: `F.linear` (MKL/oneDNN on CPU, cuBLAS on CUDA), the public path.
+- `CompiledLinear`: a compiled bf16 matmul of the CPU ops (kernels/csrc/): `avx512_bf16` on
+  `vdpbf16ps` (AVX512-BF16 CPUs, every batch size: faster than oneDNN at all sizes measured) or `amx`
+  on AMX tiles (decode-sized batches; above `tuning.AMX_LINEAR_MAX_ROWS` oneDNN's prepacked matmul is
+  faster, and is the one place this library uses PyTorch's private `mkldnn` ops: measured 1.3-2x
+  faster than `F.linear` on the same bf16 tensors at 96-300 rows on the AMX machine).
+Semantics of the compiled matmuls: `x @ weight.T` accumulated in float32 and rounded to bf16 once
+(`kernels.reference.linear`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from kernels import tuning
-from kernels.cpu_ops import available_for, cpu_ops
+from kernels import cpu_ops, tuning
 
 # Output columns per packed block, and the K multiple, of each kernel.
 _AMX_BLOCK = 32
@@ -20,9 +24,32 @@ _AVX512_BF16_COLUMNS = 16
 KINDS = ("amx", "avx512_bf16")
 
 
+class PlainLinear:
+    __slots__ = ("weight", "bias")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class OneDNNLinear:
+    """oneDNN's prepacked bf16 weight (the layout PyTorch's own CPU compiler uses)."""
+
+    __slots__ = ("packed", "bias")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, tuning.ONEDNN_PACKING_ROWS)
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
 @dataclass(frozen=True, slots=True)
 class PackedLinear:
-    """A bf16 weight `[out_features, in_features]` in the layout of one kernel."""
+    """A bf16 weight `[out_features, in_features]` in the layout of one compiled kernel."""
 
     kind: str  # one of KINDS
     packed: torch.Tensor
@@ -30,23 +57,38 @@ class PackedLinear:
     max_rows: int | None  # larger batches are faster on oneDNN (None: this kernel serves any size)
 
 
+class CompiledLinear:
+    """The compiled matmul, and oneDNN for the batches above its `max_rows`. Holds the weight only in
+    the forms its calls use (a plain copy as well would be a third copy of every projection)."""
+
+    __slots__ = ("compiled", "large")
+
+    def __init__(self, compiled: PackedLinear, weight: torch.Tensor) -> None:
+        self.compiled = compiled
+        self.large = OneDNNLinear(weight) if compiled.max_rows is not None else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.large is not None and x.shape[0] > self.compiled.max_rows:
+            return self.large(x)
+        return linear_packed(x, self.compiled)
+
+
+LinearWeight = PlainLinear | OneDNNLinear | CompiledLinear  # each a callable x [M, in] -> [M, out]
+
+
 def available_kinds() -> list[str]:
-    """The compiled matmuls this process can run, fastest first."""
-    ops = cpu_ops()
-    if ops is None:
-        return []
-    return [kind for kind, ready in (("amx", ops.amx_ready), ("avx512_bf16", ops.avx512_bf16_ready)) if ready()]
+    """The compiled matmuls of the active form of the CPU ops, fastest first."""
+    ops = cpu_ops.ops()
+    return list(ops.linear_kernels()) if ops is not None else []
 
 
 def pack_linear_weight(weight: torch.Tensor, kind: str | None = None) -> PackedLinear | None:
     """`weight` in the layout of `kind` (default: the fastest kernel here), or None where that kernel
-    does not apply to it."""
+    does not apply to it (no such kernel in this CPU's form, another dtype or device, dimensions)."""
     out_features, in_features = weight.shape
-    if not (available_for(weight) and weight.dtype == torch.bfloat16):
-        return None
     kinds = available_kinds()
     kind = kind or (kinds[0] if kinds else None)
-    if kind not in kinds:
+    if kind not in kinds or weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return None
     if kind == "amx":
         if out_features % _AMX_BLOCK or in_features % _AMX_BLOCK:
@@ -66,6 +108,7 @@ def pack_linear_weight(weight: torch.Tensor, kind: str | None = None) -> PackedL
 def linear_packed(x: torch.Tensor, weight: PackedLinear) -> torch.Tensor:
     """x [M, K] bf16 @ the packed [N, K] weight's transpose -> [M, N] bf16."""
     out = torch.empty(x.shape[0], weight.out_features, dtype=torch.bfloat16)
-    run = cpu_ops().amx_linear if weight.kind == "amx" else cpu_ops().avx512_bf16_linear
+    ops = cpu_ops.ops()
+    run = ops.amx_linear if weight.kind == "amx" else ops.bf16_linear
     run(out, x.contiguous(), weight.packed)
     return out

@@ -1,4 +1,5 @@
-"""Plain PyTorch twins of every public op, with the same signatures: the test oracle.
+"""Plain PyTorch twins of every backend op: the tests' oracle. Each takes the step's plain inputs
+(per-token adapter slots, the step's sequences) where the backends take their own plans.
 
 Written for clarity, not speed: per-token and per-sequence loops, computed in fp32 and cast back."""
 from __future__ import annotations
@@ -7,8 +8,7 @@ from typing import Sequence
 
 import torch
 
-from kernels.attention.meta import PagedAttentionMeta
-from kernels.lora.meta import LoraBatchMeta
+from kernels.attention.plans import StepSequences
 
 
 def add_lora(
@@ -16,18 +16,17 @@ def add_lora(
     x: torch.Tensor,
     lora_a: torch.Tensor,
     lora_b: torch.Tensor,
-    meta: LoraBatchMeta,
+    token_slots: Sequence[int],
     scales: torch.Tensor | Sequence[float] | None = None,
     slice_offsets: torch.Tensor | Sequence[int] | None = None,
-    backend: str | None = None,
 ) -> None:
-    """y[t] += (x[t] @ lora_a[s].T) @ lora_b[s].T * scales[s] for s = token_slots[t] >= 0, per slice.
-
-    `backend` is accepted for signature parity and ignored.
-    """
+    """y[t] += (x[t] @ lora_a[s].T) @ lora_b[s].T * scales[s] for s = token_slots[t] >= 0, per slice:
+    y [T, total_out], x [T, hidden_in], lora_a [S, max_rank * num_slices, hidden_in] (slice i's rows
+    i*max_rank:(i+1)*max_rank), lora_b [S, total_out, max_rank], slice_offsets [num_slices + 1] (slice
+    i writes y[:, offsets[i]:offsets[i+1]]); ranks below max_rank are zero-padded."""
     offsets = [int(o) for o in slice_offsets] if slice_offsets is not None else [0, y.shape[1]]
     max_rank = lora_a.shape[1] // (len(offsets) - 1)
-    for t, slot in enumerate(meta.token_slots.tolist()):
+    for t, slot in enumerate(_ints(token_slots)):
         if slot < 0:
             continue
         scale = 1.0 if scales is None else float(scales[slot])
@@ -38,13 +37,11 @@ def add_lora(
             y[t, offsets[i] : offsets[i + 1]] = (y[t, offsets[i] : offsets[i + 1]].float() + delta).to(y.dtype)
 
 
-def sgmv_shrink(
-    x: torch.Tensor, lora_a: torch.Tensor, meta: LoraBatchMeta, split_k: int | None = None
-) -> torch.Tensor:
+def sgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: Sequence[int]) -> torch.Tensor:
     """v[t] = x[t] @ lora_a[s].T for s = token_slots[t] >= 0, else 0: x [T, hidden_in],
-    lora_a [S, R_total, hidden_in] -> v [T, R_total] fp32. `split_k` is ignored."""
+    lora_a [S, R_total, hidden_in] -> v [T, R_total] fp32."""
     v = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32)
-    for t, slot in enumerate(meta.token_slots.tolist()):
+    for t, slot in enumerate(_ints(token_slots)):
         if slot >= 0:
             v[t] = x[t].float() @ lora_a[slot].float().T
     return v
@@ -54,7 +51,7 @@ def sgmv_expand(
     y: torch.Tensor,
     v: torch.Tensor,
     lora_b: torch.Tensor,
-    meta: LoraBatchMeta,
+    token_slots: Sequence[int],
     scales: torch.Tensor | None = None,
     slice_offsets: torch.Tensor | Sequence[int] | None = None,
 ) -> None:
@@ -62,7 +59,7 @@ def sgmv_expand(
     where cols_i = slice_offsets[i]:slice_offsets[i+1] and R = lora_b.shape[2]."""
     offsets = [int(o) for o in slice_offsets] if slice_offsets is not None else [0, y.shape[1]]
     max_rank = lora_b.shape[2]
-    for t, slot in enumerate(meta.token_slots.tolist()):
+    for t, slot in enumerate(_ints(token_slots)):
         if slot < 0:
             continue
         scale = 1.0 if scales is None else float(scales[slot])
@@ -83,10 +80,9 @@ def store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-    backend: str | None = None,
 ) -> None:
-    """k_cache[slot // block_size, slot % block_size] = k[t] for slot = slot_mapping[t] >= 0 (same for v).
-    `backend` is accepted for signature parity and ignored."""
+    """k_cache[slot // block_size, slot % block_size] = k[t] for slot = slot_mapping[t] >= 0 (same for v):
+    k, v [T, num_kv_heads, D], caches [num_blocks, block_size, num_kv_heads, D]."""
     block_size = k_cache.shape[1]
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot >= 0:
@@ -98,20 +94,19 @@ def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    meta: PagedAttentionMeta,
+    step: StepSequences,
     scale: float,
-    backend: str | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens (the last q_len of its context) over its cached
     context. q [T, num_heads, D], caches [num_blocks, block_size, num_kv_heads, D] -> [T, num_heads, D].
-    Query head h reads KV head h // (num_heads // num_kv_heads). `backend` is ignored."""
+    Query head h reads KV head h // (num_heads // num_kv_heads)."""
     out = torch.empty_like(q)
-    starts = meta.query_start_loc.tolist()
-    for b, seq_len in enumerate(meta.seq_lens.tolist()):
+    starts = step.query_start
+    for b, seq_len in enumerate(step.seq_lens):
         positions = torch.arange(seq_len)
-        blocks = meta.block_tables[b].long()[positions // meta.block_size]
-        keys = k_cache[blocks, positions % meta.block_size].float()  # [seq_len, kv_heads, D]
-        values = v_cache[blocks, positions % meta.block_size].float()
+        blocks = torch.tensor(step.block_tables[b], dtype=torch.int64)[positions // step.block_size]
+        keys = k_cache[blocks, positions % step.block_size].float()  # [seq_len, kv_heads, D]
+        values = v_cache[blocks, positions % step.block_size].float()
         out[starts[b] : starts[b + 1]] = _causal_attention(
             q[starts[b] : starts[b + 1]].float(), keys, values, scale
         ).to(q.dtype)
@@ -181,18 +176,11 @@ def rotary_store_kv(
     slot_mapping: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
-    backend: str | None = None,
 ) -> None:
     """`rotate_qk` in place, then `store_kv` of the rotated keys and the values."""
-    rotate_then_store(store_kv, qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
-
-
-def rotate_then_store(store, qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads) -> None:
-    """`rotary_store_kv` with `store(k, v, k_cache, v_cache, slot_mapping)` as the cache write (the
-    twin's loop here, the dispatching `kernels.store_kv` in the PyTorch path)."""
     rotate_qk(qkv, positions, cos, sin, num_heads, num_kv_heads)
     _, k, v = split_qkv(qkv, num_heads, num_kv_heads, cos.shape[1])
-    store(k, v, k_cache, v_cache, slot_mapping)
+    store_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
 def max_logsumexp(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -205,3 +193,7 @@ def max_logsumexp(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T, accumulated in float32 and rounded to x's dtype once."""
     return (x.float() @ weight.float().T).to(x.dtype)
+
+
+def _ints(values: Sequence[int] | torch.Tensor) -> list[int]:
+    return values.tolist() if torch.is_tensor(values) else [int(v) for v in values]

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-Dtype = Literal["float32", "bfloat16", "float16"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,13 +64,15 @@ class LimitsConfig:
 class EngineConfig:
     """Everything the engine needs. `model=None` is the embedded SmolLM2-135M-Instruct.
 
-    bfloat16 is the default because CPUs with AMX or AVX512-BF16 multiply bf16 several times faster
-    than fp32 (and decode reads half the bytes); tests that compare with HF logits use float32.
+    `dtype="auto"`: bf16 where the device multiplies it natively (CUDA; CPUs with AVX512-BF16 or AMX),
+    float32 elsewhere (`lora_runtime.dtypes`); tests that compare with HF logits use float32.
+    `kernel_backend`: None picks by device (`kernels.backend_for`); "cpu", "torch" or "triton" force one.
     """
 
     model: str | None = None
-    dtype: Dtype = "bfloat16"
+    dtype: Dtype = "auto"
     device: str = "cpu"
+    kernel_backend: str | None = None
     cache_dir: Path | None = None
     num_threads: int | None = None
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)

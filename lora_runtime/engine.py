@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_ops import cpu_ops
-
+import kernels
 from lora_runtime.adapters.manager import AdapterManager, SourceResolver
 from lora_runtime.adapters.weights import BaseModelShape
 from lora_runtime.best_of import BestOfGroup
 from lora_runtime.config import EngineConfig
+from lora_runtime.dtypes import resolve_dtype
 from lora_runtime.core import Request, RequestOutput, RequestStatus, SamplingParams
 from lora_runtime.embedded import EMBEDDED_MODEL_NAME, ensure_embedded_model
 from lora_runtime.errors import EngineError, ValidationError
@@ -52,10 +52,7 @@ class Engine:
         num_blocks = _num_kv_blocks(config, model)
         self.kv_cache = KVCacheManager(num_blocks, config.kv_cache.block_size_tokens)
         base_shape = BaseModelShape(model_name, model.shape.num_layers, model.shape.module_dims())
-        # On CPU the LoRA segment matmuls are faster in fp32 whatever the model dtype (measured in
-        # kernels/tuning.py); elsewhere the adapters share the model's dtype.
-        lora_dtype = torch.float32 if config.device == "cpu" else model.dtype
-        self.adapters = AdapterManager(config.adapters, base_shape, lora_dtype, config.device, adapter_sources)
+        self.adapters = AdapterManager(config.adapters, base_shape, model.backend, model.dtype, adapter_sources)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, is_adapter_ready=self.adapters.is_ready)
         self.runner = ModelRunner(model, self.kv_cache, num_blocks, config.device)
         self.sampler = Sampler()
@@ -77,15 +74,25 @@ class Engine:
         else:
             model_dir = Path(config.model).expanduser()
             model_name = model_dir.name.lower()
-        model = load_model(model_dir, config.dtype, config.device)
+        backend = kernels.backend_for(config.device, config.kernel_backend)
+        dtype, reason = resolve_dtype(config.dtype, config.device)
+        logger.info("model %s in %s (%s), kernel backend %s", model_name, dtype, reason, backend.label)
+        model = load_model(model_dir, dtype, config.device, backend)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        if config.device == "cpu":
-            cpu_ops()  # built here on a machine's first start (about a minute), not in the first request
         return cls(config, model, tokenizer, model_name, adapter_sources)
 
     @property
     def max_model_len(self) -> int:
         return self.model.shape.max_model_len
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.model.dtype).removeprefix("torch.")
+
+    @property
+    def kernel_backend(self) -> str:
+        """The kernel backend's name, and its instruction-set form for the compiled CPU ops ("cpu/avx2")."""
+        return self.model.backend.label
 
     def add_request(
         self,
@@ -185,8 +192,7 @@ class Engine:
             for item in output.scheduled
             for _ in range(item.num_new_tokens)
         ]
-        slots = torch.tensor(token_slots, dtype=torch.int64, device=self.config.device)
-        return self.adapters.lora_batch(slots, set(slot_of.values()))
+        return self.adapters.lora_batch(token_slots, set(slot_of.values()))
 
     def _record_prompt_logprobs(self, runner_output: ModelRunnerOutput) -> None:
         logits = runner_output.logits

@@ -6,8 +6,6 @@ from typing import Protocol
 
 import torch
 
-import kernels
-
 
 class LoraBatch(Protocol):
     """Adds each token's adapter delta to a projection's output (see `adapters.batch`)."""
@@ -23,7 +21,7 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     slot_mapping: torch.Tensor  # [num_tokens] int64, flat KV slot of each token
-    attention: kernels.PagedAttentionMeta
+    attention: object  # the step's attention plan, built by the model's backend (`Backend.plan_attention`)
     logits_indices: torch.Tensor  # [num_logit_rows] int64, tokens whose next-token logits are needed
     lora: LoraBatch | None = None
 

@@ -7,13 +7,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+import kernels
+from lora_runtime.dtypes import DTYPES
 from lora_runtime.errors import ValidationError
-from lora_runtime.layers.linear import Linear
 from lora_runtime.layers.rotary import RotaryEmbedding
 from lora_runtime.models.architectures import ModelShape, model_shape_from_config, rope_frequencies
 from lora_runtime.models.llama import LayerWeights, LlamaModel, ModelWeights
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class _TensorReader:
@@ -43,27 +43,29 @@ class _TensorReader:
         return torch.cat([self.get(name) for name in names], dim=0).contiguous()
 
 
-def _layer_weights(reader: _TensorReader, shape: ModelShape, layer_idx: int) -> LayerWeights:
+def _layer_weights(reader: _TensorReader, shape: ModelShape, layer_idx: int, backend: kernels.Backend) -> LayerWeights:
     prefix = f"model.layers.{layer_idx}."
+    linear = backend.linear
     attn = [f"{prefix}self_attn.{name}_proj" for name in ("q", "k", "v")]
     return LayerWeights(
         input_norm=reader.get(prefix + "input_layernorm.weight"),
-        qkv=Linear(
+        qkv=linear(
             reader.fused([name + ".weight" for name in attn]),
             reader.fused([name + ".bias" for name in attn]) if shape.qkv_bias else None,
         ),
-        o=Linear(
+        o=linear(
             reader.get(prefix + "self_attn.o_proj.weight"),
             reader.get(prefix + "self_attn.o_proj.bias") if shape.o_bias else None,
         ),
         post_attention_norm=reader.get(prefix + "post_attention_layernorm.weight"),
-        gate_up=Linear(reader.fused([prefix + "mlp.gate_proj.weight", prefix + "mlp.up_proj.weight"])),
-        down=Linear(reader.get(prefix + "mlp.down_proj.weight")),
+        gate_up=linear(reader.fused([prefix + "mlp.gate_proj.weight", prefix + "mlp.up_proj.weight"])),
+        down=linear(reader.get(prefix + "mlp.down_proj.weight")),
     )
 
 
-def load_model(model_dir: Path, dtype: str, device: str) -> LlamaModel:
-    """Build our model from a local HF directory (config.json + *.safetensors)."""
+def load_model(model_dir: Path, dtype: str, device: str, backend: kernels.Backend) -> LlamaModel:
+    """Build our model from a local HF directory (config.json + *.safetensors), its projections laid
+    out for `backend`'s matmuls. `dtype` is a concrete dtype ("auto" is resolved by the engine)."""
     from transformers import AutoConfig
 
     if not (model_dir / "config.json").is_file():
@@ -76,10 +78,10 @@ def load_model(model_dir: Path, dtype: str, device: str) -> LlamaModel:
     tied = shape.tie_word_embeddings or not reader.has("lm_head.weight")
     weights = ModelWeights(
         embed_tokens=embed,
-        layers=[_layer_weights(reader, shape, idx) for idx in range(shape.num_layers)],
+        layers=[_layer_weights(reader, shape, idx, backend) for idx in range(shape.num_layers)],
         final_norm=reader.get("model.norm.weight"),
-        lm_head=Linear(embed if tied else reader.get("lm_head.weight")),
+        lm_head=backend.linear(embed if tied else reader.get("lm_head.weight")),
     )
     inv_freq, attention_scaling = rope_frequencies(config, shape.head_dim)
     rotary = RotaryEmbedding(inv_freq, shape.max_model_len, attention_scaling, torch_dtype)
-    return LlamaModel(shape, weights, rotary)
+    return LlamaModel(shape, weights, rotary, backend)

@@ -48,14 +48,12 @@ class ModelRunner:
         for item in output.scheduled:
             step.add(item.request, item.num_computed_tokens, item.num_new_tokens, item.samples_next_token,
                      self.kv_cache.block_table(item.request.request_id))
+        sequences = kernels.StepSequences(step.query_start, step.seq_lens, step.tables, self.block_size)
         batch = ForwardBatch(
             input_ids=self._tensor(step.input_ids),
             positions=self._tensor(step.positions),
             slot_mapping=self._tensor(step.slots),
-            attention=kernels.PagedAttentionMeta.build(
-                self._tensor(step.query_start), self._tensor(step.seq_lens), self._block_tables(step.tables),
-                self.block_size,
-            ),
+            attention=self.model.backend.plan_attention(sequences),
             logits_indices=self._tensor(step.logits_indices),
             lora=lora,
         )
@@ -68,11 +66,6 @@ class ModelRunner:
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
-
-    def _block_tables(self, tables: list[list[int]]) -> torch.Tensor:
-        width = max(len(table) for table in tables)
-        padded = [table + [0] * (width - len(table)) for table in tables]
-        return torch.tensor(padded, dtype=torch.int32, device=self.device)
 
 
 class _StepInputs:

@@ -14,3 +14,27 @@ torch.set_num_threads(1)
 @pytest.fixture(autouse=True)
 def _seed_torch() -> None:
     torch.manual_seed(0)
+
+
+# Which instruction-set forms of the compiled CPU ops this run exercised (tests/kernels/conftest.py
+# tags each test that ran in a form). Collected from the test reports, which pytest-xdist's workers
+# send to the main process, where the summary is printed.
+_FORMS_EXERCISED: set[str] = set()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call" and report.passed:
+        _FORMS_EXERCISED.update(value for key, value in report.user_properties if key == "isa_form")
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    from kernels import cpu_ops
+
+    lines = [f"exercised: {', '.join(f for f in cpu_ops.FORMS if f in _FORMS_EXERCISED) or 'none'}"]
+    for form in cpu_ops.FORMS:
+        reason = cpu_ops.unavailable_reason(form)
+        if form not in _FORMS_EXERCISED and reason is not None:
+            lines.append(f"not exercised: {form} ({reason})")
+    terminalreporter.write_sep("-", "compiled CPU op forms")
+    for line in lines:
+        terminalreporter.write_line(line)

@@ -1,1 +1,2 @@
-"""Paged attention: per-step metadata, the CPU path and the Triton kernels."""
+"""Paged attention: per-backend step plans, the PyTorch path and the Triton kernels (the compiled CPU
+op is in kernels/csrc/attention.cpp)."""

@@ -1,8 +1,8 @@
-"""Fast PyTorch paths of the KV-cache write and paged attention, used on CPU.
+"""The PyTorch paths of the KV-cache write and paged attention (the PyTorch backend; the compiled CPU
+backend takes `attend_prefill` for the prefills too long for its own op).
 
-The compiled op (`kernels.cpu_ops`) attends the sequences the step's metadata gives it; the rest run
-here. Without it, decode rows go through one padded block gather and one attention call per length bucket (see
-`kernels.attention.meta`): the query heads that share a KV head are laid along the query-length
+Decode rows go through one padded block gather and one attention call per length bucket (see
+`kernels.attention.plans`): the query heads that share a KV head are laid along the query-length
 axis ([num_seqs, kv_heads, group, D]), so KV heads are never repeated. Prefill sequences take one
 call each (or a few, by query chunks) of plain matmuls with a causal mask."""
 from __future__ import annotations
@@ -11,8 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import tuning
-from kernels.cpu_ops import cpu_ops
-from kernels.attention.meta import DecodeBucket, PagedAttentionMeta, PrefillPlan
+from kernels.attention.plans import DecodeBucket, PrefillPlan, TorchAttentionPlan
 
 
 def store_kv_torch(
@@ -35,18 +34,15 @@ def paged_attention_torch(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    meta: PagedAttentionMeta,
+    plan: TorchAttentionPlan,
     scale: float,
 ) -> torch.Tensor:
     """q [T, num_heads, D], caches [num_blocks, block_size, num_kv_heads, D] -> out [T, num_heads, D]."""
     out = torch.empty_like(q)
-    if meta.compiled_seqs is not None:
-        cpu_ops().paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                  meta.compiled_seqs, scale, out)
-    for bucket in meta.decode_buckets:
+    for bucket in plan.decode_buckets:
         _decode(q, k_cache, v_cache, bucket, scale, out)
-    for plan in meta.prefills:
-        _prefill(q, k_cache, v_cache, plan, scale, out)
+    for prefill in plan.prefills:
+        attend_prefill(q, k_cache, v_cache, prefill, scale, out)
     return out
 
 
@@ -75,7 +71,7 @@ def _decode(
     out.index_copy_(0, bucket.token_rows, attended.view(num_seqs, num_heads, head_dim))
 
 
-def _prefill(
+def attend_prefill(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,

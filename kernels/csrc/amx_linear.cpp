@@ -7,23 +7,21 @@
 // consumed, and keeps memory busy by fetching the next column block's weights while it computes
 // (figures in kernels/tuning.py).
 //
-// Layout: W [N, K] is packed once (kernels.dispatch.pack_linear_weight) into blocks of 32 output
+// Layout: W [N, K] is packed once (kernels.linear.pack_linear_weight) into blocks of 32 output
 // columns; each block runs over K in steps of 32 and holds two 16-column B tiles per step in the
 // tiles' pair-interleaved form: packed[n_block][k_step][half][k_pair (16)][column (16)][2].
 // Each 32 x 32 output block accumulates in four float32 tiles (2 row tiles x 2 column tiles) and is
 // rounded to bf16 once, as the reference (a float32 matmul of the same inputs, rounded) does.
-#include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstdint>
 
 #include "convert.h"
-#include "cpu_ops.h"
+#include "ops.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
+namespace cpu_ops {
 namespace {
 
 constexpr int64_t kBlock = 32;  // rows (two A tiles) and columns (two B tiles) per output block
@@ -79,66 +77,42 @@ void multiply_block(const uint16_t* a, int64_t lda_bytes, int64_t a_row_tile_off
 
 }  // namespace
 
-bool amx_ready() {
-  // Linux hands out the AMX tile state only to processes that ask for it (arch_prctl
-  // ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); the grant is process-wide and permanent.
-  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return granted;
-}
+int64_t amx_linear_groups(int64_t n) { return n / kBlock; }
 
-void amx_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed) {
-  TORCH_CHECK(amx_ready(), "AMX is not available to this process");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x must be contiguous bf16 [M, K]");
-  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kBFloat16 && out.size(0) == x.size(0),
-              "out must be contiguous bf16 [M, N]");
-  const int64_t rows = x.size(0), k = x.size(1), n = out.size(1);
-  TORCH_CHECK(k % kKStep == 0 && n % kBlock == 0, "K and N must be multiples of 32");
-  TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == at::kBFloat16 && packed.numel() == n * k,
-              "packed must be the contiguous packed form of a bf16 [N, K] weight");
-  const int64_t row_blocks = (rows + kBlock - 1) / kBlock, n_blocks = n / kBlock, k_steps = k / kKStep;
-  // The tiles read 32 rows at a time: pad x with zero rows up to a whole block.
-  torch::Tensor padded = x;
-  if (rows % kBlock != 0) {
-    padded = torch::zeros({row_blocks * kBlock, k}, x.options());
-    padded.narrow(0, 0, rows).copy_(x);
+// Column blocks [begin, end) of 32 output columns. x must hold whole blocks of 32 rows (the
+// bindings pad it with zero rows); only `rows` rows of out are written. The process must have been
+// granted the tile state (the bindings ask Linux for it when they detect AMX).
+void amx_linear(const LinearArgs& args, int64_t begin, int64_t end) {
+  const int64_t rows = args.rows, k = args.k, n = args.n;
+  const int64_t row_blocks = (rows + kBlock - 1) / kBlock, k_steps = k / kKStep;
+  TileConfig config;  // tile state is per thread: configure it in each range
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.bytes_per_row[t] = 64;
   }
-  const uint16_t* a_ptr = reinterpret_cast<const uint16_t*>(padded.data_ptr<at::BFloat16>());
-  const uint16_t* b_ptr = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  uint16_t* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  at::parallel_for(0, n_blocks, 1, [&](int64_t begin, int64_t end) {
-    TileConfig config;  // tile state is per thread: configure it in each
-    for (int t = 0; t < 8; ++t) {
-      config.rows[t] = 16;
-      config.bytes_per_row[t] = 64;
-    }
-    _tile_loadconfig(&config);
-    alignas(64) float block[kBlock * kBlock];
-    for (int64_t nb = begin; nb < end; ++nb) {
-      const uint16_t* b_block = b_ptr + nb * k_steps * kPackedStep;
-      // The next column block's weights are fetched while this one computes, spread over all its
-      // row blocks, so that memory is busy the whole time (prefetching only a few k-steps ahead
-      // left it idle through the later row blocks: 53-56 ms against 45-48 ms for the 30 layers).
-      const char* upcoming = reinterpret_cast<const char*>(b_block + k_steps * kPackedStep);
-      const int64_t upcoming_lines = nb + 1 < end ? k_steps * kPackedStep * 2 / 64 : 0;
-      for (int64_t rb = 0; rb < row_blocks; ++rb) {
-        multiply_block(a_ptr + rb * kBlock * k, k * 2, 16 * k, b_block, k_steps, upcoming,
-                       rb * upcoming_lines / row_blocks, (rb + 1) * upcoming_lines / row_blocks, block);
-        const int64_t valid_rows = std::min(kBlock, rows - rb * kBlock);
-        for (int64_t r = 0; r < valid_rows; ++r) {
-          uint16_t* out_row = out_ptr + (rb * kBlock + r) * n + nb * kBlock;
+  _tile_loadconfig(&config);
+  alignas(64) float block[kBlock * kBlock];
+  for (int64_t nb = begin; nb < end; ++nb) {
+    const uint16_t* b_block = args.packed + nb * k_steps * kPackedStep;
+    // The next column block's weights are fetched while this one computes, spread over all its
+    // row blocks, so that memory is busy the whole time (prefetching only a few k-steps ahead
+    // left it idle through the later row blocks: 53-56 ms against 45-48 ms for the 30 layers).
+    const char* upcoming = reinterpret_cast<const char*>(b_block + k_steps * kPackedStep);
+    const int64_t upcoming_lines = nb + 1 < end ? k_steps * kPackedStep * 2 / 64 : 0;
+    for (int64_t rb = 0; rb < row_blocks; ++rb) {
+      multiply_block(args.x + rb * kBlock * k, k * 2, 16 * k, b_block, k_steps, upcoming,
+                     rb * upcoming_lines / row_blocks, (rb + 1) * upcoming_lines / row_blocks, block);
+      const int64_t valid_rows = std::min(kBlock, rows - rb * kBlock);
+      for (int64_t r = 0; r < valid_rows; ++r) {
+        uint16_t* out_row = args.out + (rb * kBlock + r) * n + nb * kBlock;
 #pragma omp simd
-          for (int64_t col = 0; col < kBlock; ++col) out_row[col] = cpu_ops::float_to_bf16_bits(block[r * kBlock + col]);
-        }
+        for (int64_t col = 0; col < kBlock; ++col) out_row[col] = float_to_bf16_bits(block[r * kBlock + col]);
       }
     }
-    _tile_release();
-  });
+  }
+  _tile_release();
 }
 
-#else  // built for a CPU without AMX: callers check amx_ready() and take the oneDNN path
+}  // namespace cpu_ops
 
-bool amx_ready() { return false; }
-
-void amx_linear(torch::Tensor, torch::Tensor, torch::Tensor) { TORCH_CHECK(false, "built without AMX"); }
-
-#endif
+#endif  // __AMX_TILE__ && __AMX_BF16__

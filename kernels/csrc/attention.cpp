@@ -1,17 +1,15 @@
 // Causal attention of each sequence's new tokens over its paged context, read in place through the
-// block table: nothing is padded, and each (sequence, KV head) is one task for the thread pool.
+// block table: nothing is padded, and each (sequence, KV head) is one task of the bindings' thread pool.
 // Semantics (kernels.reference.paged_attention), for each sequence b in `seqs`, head h and new
 // token i (at position seq_len - q_len + i):
 //   out[t, h] = softmax(q[t, h] . K[b, :pos + 1, h / group] * scale) @ V[b, :pos + 1, h / group]
-// q [T, H, D] and out [T, H, D] with unit stride on D; caches [num_blocks, block_size, Hkv, D]
-// contiguous; block_tables [B, max_blocks] int32; seq_lens [B] int32 (new tokens included);
-// query_start [B + 1] int32; seqs [n] int64. Accumulation is in fp32 whatever the input dtype.
+// Accumulation is in fp32 whatever the input dtype.
 //
-// The keys and values of a task are first converted into float buffers [context, D] (one contiguous
-// vector conversion per cached row), then each query row takes vector dot products, a softmax and
-// a weighted sum. Work is O(q_len * context * D) in vector loops, which is why long prefills take
-// the matmul path in Python (kernels.tuning.COMPILED_PREFILL_MAX_WORK).
-#include <ATen/Parallel.h>
+// Portable form: the keys and values of a task are first converted into float buffers [context, D]
+// (one contiguous vector conversion per cached row), then each query row takes vector dot products,
+// a softmax and a weighted sum. Work is O(q_len * context * D) in vector loops, which is why long
+// prefills take the matmul path in Python (kernels.tuning.COMPILED_PREFILL_MAX_WORK). The AVX-512
+// forms have a register-blocked kernel for head sizes 64 and 128 (attention_avx512.h).
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -19,28 +17,31 @@
 #include "attention_avx512.h"
 #include "convert.h"
 #include "exp.h"
-#include "cpu_ops.h"
+#include "ops.h"
 
+namespace cpu_ops {
 namespace {
 
-using cpu_ops::to_float;
-using cpu_ops::from_float;
-
+// Strides of the contiguous caches [blocks, block_size, Hkv, D].
 struct Layout {
-  int64_t num_heads, num_kv_heads, group, head_dim, block_size, max_blocks;
-  int64_t q_row_stride, q_head_stride, out_row_stride, out_head_stride;
-  int64_t block_stride, token_stride, kv_head_stride;
+  int64_t group, block_stride, token_stride, kv_head_stride;
+
+  explicit Layout(const AttentionArgs& a)
+      : group(a.num_heads / a.num_kv_heads),
+        block_stride(a.block_size * a.num_kv_heads * a.head_dim),
+        token_stride(a.num_kv_heads * a.head_dim),
+        kv_head_stride(a.head_dim) {}
 };
 
 // Keys and values of one (sequence, KV head) as floats, row-major [ctx, D].
 template <typename T>
 void gather_context(const T* k_cache, const T* v_cache, const int32_t* table, int64_t kv_head, int64_t ctx,
-                    const Layout& l, float* keys, float* values) {
+                    const AttentionArgs& a, const Layout& l, float* keys, float* values) {
   for (int64_t pos = 0; pos < ctx; ++pos) {
-    const int64_t offset = table[pos / l.block_size] * l.block_stride + (pos % l.block_size) * l.token_stride +
+    const int64_t offset = table[pos / a.block_size] * l.block_stride + (pos % a.block_size) * l.token_stride +
                            kv_head * l.kv_head_stride;
-    to_float(k_cache + offset, keys + pos * l.head_dim, l.head_dim);
-    to_float(v_cache + offset, values + pos * l.head_dim, l.head_dim);
+    to_float(k_cache + offset, keys + pos * a.head_dim, a.head_dim);
+    to_float(v_cache + offset, values + pos * a.head_dim, a.head_dim);
   }
 }
 
@@ -66,7 +67,7 @@ void attend_one(const float* query, const float* keys, const float* values, int6
   float total = 0.f;
 #pragma omp simd reduction(+ : total)
   for (int64_t j = 0; j < num_keys; ++j) {
-    scores[j] = cpu_ops::vector_exp(scores[j] - max_score);
+    scores[j] = vector_exp(scores[j] - max_score);
     total += scores[j];
   }
   const float inv_total = 1.f / total;
@@ -80,113 +81,103 @@ void attend_one(const float* query, const float* keys, const float* values, int6
   }
 }
 
-template <typename T, int64_t D>
-void attention_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                      const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
-                      const torch::Tensor& query_start, const torch::Tensor& seqs, double scale, torch::Tensor& out) {
-  Layout l;
-  l.num_heads = q.size(1);
-  l.head_dim = q.size(2);
-  l.block_size = k_cache.size(1);
-  l.num_kv_heads = k_cache.size(2);
-  l.group = l.num_heads / l.num_kv_heads;
-  l.max_blocks = block_tables.size(1);
-  l.q_row_stride = q.stride(0);
-  l.q_head_stride = q.stride(1);
-  l.out_row_stride = out.stride(0);
-  l.out_head_stride = out.stride(1);
-  l.block_stride = k_cache.stride(0);
-  l.token_stride = k_cache.stride(1);
-  l.kv_head_stride = k_cache.stride(2);
-  const T* q_ptr = q.data_ptr<T>();
-  const T* k_ptr = k_cache.data_ptr<T>();
-  const T* v_ptr = v_cache.data_ptr<T>();
-  T* out_ptr = out.data_ptr<T>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int32_t* starts = query_start.data_ptr<int32_t>();
-  const int64_t* seq_ptr = seqs.data_ptr<int64_t>();
-  const int64_t num_tasks = seqs.size(0) * l.num_kv_heads;
-  const float fscale = static_cast<float>(scale);
 #if defined(__AVX512F__)
-  if constexpr (cpu_ops::kHasAvx512Attention<T> && (D == 64 || D == 128)) {
-    at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores;
-      std::vector<const T*> q_rows(l.group);
-      std::vector<T*> out_rows(l.group);
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t seq = seq_ptr[task / l.num_kv_heads], kv_head = task % l.num_kv_heads;
-        const int64_t ctx = lens[seq], first_token = starts[seq], q_len = starts[seq + 1] - first_token;
-        const cpu_ops::CacheView cache{tables + seq * l.max_blocks, l.block_size, l.block_stride, l.token_stride};
-        if (task + 1 < end) {  // the next task's first key block, fetched while this task runs
-          const int64_t next_seq = seq_ptr[(task + 1) / l.num_kv_heads], next_head = (task + 1) % l.num_kv_heads;
-          cpu_ops::prefetch_block(k_ptr + next_head * l.kv_head_stride + tables[next_seq * l.max_blocks] * l.block_stride,
-                                  std::min<int64_t>(l.block_size, lens[next_seq]), l.token_stride,
-                                  l.head_dim * static_cast<int64_t>(sizeof(T)));
-        }
-        scores.resize(4 * ctx);
-        for (int64_t i = 0; i < q_len; ++i) {
-          const int64_t token = first_token + i;
-          for (int64_t g = 0; g < l.group; ++g) {
-            const int64_t head = kv_head * l.group + g;
-            q_rows[g] = q_ptr + token * l.q_row_stride + head * l.q_head_stride;
-            out_rows[g] = out_ptr + token * l.out_row_stride + head * l.out_head_stride;
-          }
-          cpu_ops::attend_group<T, D / 16>(q_rows.data(), out_rows.data(), l.group, fscale,
-                                           k_ptr + kv_head * l.kv_head_stride, v_ptr + kv_head * l.kv_head_stride,
-                                           cache, ctx - q_len + i + 1, scores.data());
-        }
+// The register-blocked form for head sizes 64 and 128 (fp32 and bf16).
+template <typename T, int64_t D>
+void attend_tasks_avx512(const AttentionArgs& a, const Layout& l, int64_t begin, int64_t end) {
+  const T* q = static_cast<const T*>(a.q);
+  const T* k_cache = static_cast<const T*>(a.k_cache);
+  const T* v_cache = static_cast<const T*>(a.v_cache);
+  T* out = static_cast<T*>(a.out);
+  std::vector<float> scores;
+  std::vector<const T*> q_rows(l.group);
+  std::vector<T*> out_rows(l.group);
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t seq = a.seqs[task / a.num_kv_heads], kv_head = task % a.num_kv_heads;
+    const int64_t ctx = a.seq_lens[seq], first_token = a.query_start[seq], q_len = a.query_start[seq + 1] - first_token;
+    const CacheView cache{a.block_tables + seq * a.max_blocks, a.block_size, l.block_stride, l.token_stride};
+    if (task + 1 < end) {  // the next task's first key block, fetched while this task runs
+      const int64_t next_seq = a.seqs[(task + 1) / a.num_kv_heads], next_head = (task + 1) % a.num_kv_heads;
+      prefetch_block(k_cache + next_head * l.kv_head_stride + a.block_tables[next_seq * a.max_blocks] * l.block_stride,
+                     std::min<int64_t>(a.block_size, a.seq_lens[next_seq]), l.token_stride,
+                     a.head_dim * static_cast<int64_t>(sizeof(T)));
+    }
+    scores.resize(4 * ctx);
+    for (int64_t i = 0; i < q_len; ++i) {
+      const int64_t token = first_token + i;
+      for (int64_t g = 0; g < l.group; ++g) {
+        const int64_t head = kv_head * l.group + g;
+        q_rows[g] = q + token * a.q_row_stride + head * a.q_head_stride;
+        out_rows[g] = out + token * a.out_row_stride + head * a.out_head_stride;
       }
-    });
+      attend_group<T, D / 16>(q_rows.data(), out_rows.data(), l.group, a.scale, k_cache + kv_head * l.kv_head_stride,
+                              v_cache + kv_head * l.kv_head_stride, cache, ctx - q_len + i + 1, scores.data());
+    }
+  }
+}
+#endif
+
+template <typename T, int64_t D>
+void attend_tasks_portable(const AttentionArgs& a, const Layout& l, int64_t begin, int64_t end) {
+  const T* q = static_cast<const T*>(a.q);
+  const T* k_cache = static_cast<const T*>(a.k_cache);
+  const T* v_cache = static_cast<const T*>(a.v_cache);
+  T* out = static_cast<T*>(a.out);
+  std::vector<float> keys, values, scores, query(a.head_dim), acc(a.head_dim);
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t seq = a.seqs[task / a.num_kv_heads], kv_head = task % a.num_kv_heads;
+    const int64_t ctx = a.seq_lens[seq], first_token = a.query_start[seq], q_len = a.query_start[seq + 1] - first_token;
+    keys.resize(ctx * a.head_dim);
+    values.resize(ctx * a.head_dim);
+    scores.resize(ctx);
+    gather_context(k_cache, v_cache, a.block_tables + seq * a.max_blocks, kv_head, ctx, a, l, keys.data(), values.data());
+    for (int64_t i = 0; i < q_len; ++i) {
+      const int64_t token = first_token + i, num_keys = ctx - q_len + i + 1;
+      for (int64_t g = 0; g < l.group; ++g) {
+        const int64_t head = kv_head * l.group + g;
+        to_float(q + token * a.q_row_stride + head * a.q_head_stride, query.data(), a.head_dim);
+#pragma omp simd
+        for (int64_t d = 0; d < a.head_dim; ++d) query[d] *= a.scale;
+        attend_one<D>(query.data(), keys.data(), values.data(), num_keys, a.head_dim, scores.data(), acc.data());
+        from_float(acc.data(), out + token * a.out_row_stride + head * a.out_head_stride, a.head_dim);
+      }
+    }
+  }
+}
+
+template <typename T, int64_t D>
+void attend_tasks(const AttentionArgs& a, int64_t begin, int64_t end) {
+  const Layout layout(a);
+#if defined(__AVX512F__)
+  if constexpr (kHasAvx512Attention<T> && (D == 64 || D == 128)) {
+    attend_tasks_avx512<T, D>(a, layout, begin, end);
     return;
   }
 #endif
-  at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> keys, values, scores, query(l.head_dim), acc(l.head_dim);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = seq_ptr[task / l.num_kv_heads], kv_head = task % l.num_kv_heads;
-      const int64_t ctx = lens[seq], first_token = starts[seq], q_len = starts[seq + 1] - first_token;
-      keys.resize(ctx * l.head_dim);
-      values.resize(ctx * l.head_dim);
-      scores.resize(ctx);
-      gather_context(k_ptr, v_ptr, tables + seq * l.max_blocks, kv_head, ctx, l, keys.data(), values.data());
-      for (int64_t i = 0; i < q_len; ++i) {
-        const int64_t token = first_token + i, num_keys = ctx - q_len + i + 1;
-        for (int64_t g = 0; g < l.group; ++g) {
-          const int64_t head = kv_head * l.group + g;
-          to_float(q_ptr + token * l.q_row_stride + head * l.q_head_stride, query.data(), l.head_dim);
-#pragma omp simd
-          for (int64_t d = 0; d < l.head_dim; ++d) query[d] *= fscale;
-          attend_one<D>(query.data(), keys.data(), values.data(), num_keys, l.head_dim, scores.data(), acc.data());
-          from_float(acc.data(), out_ptr + token * l.out_row_stride + head * l.out_head_stride, l.head_dim);
-        }
-      }
-    }
-  });
+  attend_tasks_portable<T, D>(a, layout, begin, end);
 }
 
 }  // namespace
 
-void paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                     torch::Tensor seq_lens, torch::Tensor query_start, torch::Tensor seqs, double scale,
-                     torch::Tensor out) {
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "head_dim must be contiguous");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
-              "q, caches and out must share a dtype");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
-                  query_start.scalar_type() == at::kInt && seqs.scalar_type() == at::kLong,
-              "block_tables, seq_lens, query_start are int32 and seqs int64");
-  TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous() && query_start.is_contiguous() &&
-                  seqs.is_contiguous(), "index tensors must be contiguous");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
+bool attention_has_vector_form() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+void paged_attention(const AttentionArgs& a, int64_t begin, int64_t end) {
+  dispatch_dtype(a.dtype, [&]<typename T>() {
     // Common head sizes get a kernel unrolled for them; others the generic one (D = 0).
-    if (q.size(2) == 64) {
-      attention_kernel<scalar_t, 64>(q, k_cache, v_cache, block_tables, seq_lens, query_start, seqs, scale, out);
-    } else if (q.size(2) == 128) {
-      attention_kernel<scalar_t, 128>(q, k_cache, v_cache, block_tables, seq_lens, query_start, seqs, scale, out);
+    if (a.head_dim == 64) {
+      attend_tasks<T, 64>(a, begin, end);
+    } else if (a.head_dim == 128) {
+      attend_tasks<T, 128>(a, begin, end);
     } else {
-      attention_kernel<scalar_t, 0>(q, k_cache, v_cache, block_tables, seq_lens, query_start, seqs, scale, out);
+      attend_tasks<T, 0>(a, begin, end);
     }
   });
 }
+
+}  // namespace cpu_ops

@@ -23,7 +23,7 @@ template <>
 inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
 
 template <>
-inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
+inline __m512 load16<bf16>(const bf16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
@@ -40,7 +40,7 @@ inline void store16(T* p, __m512 v) {
 }
 
 template <typename T>
-constexpr bool kHasAvx512Attention = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+constexpr bool kHasAvx512Attention = std::is_same_v<T, float> || std::is_same_v<T, bf16>;
 
 // Walks positions [0, num_keys) of one sequence's cache through its block table. The rows of the
 // next block are prefetched while this one is used: blocks are scattered pages, which the hardware

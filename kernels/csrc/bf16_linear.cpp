@@ -14,21 +14,23 @@
 // group's weights are requested while this one computes, spread over all its k-pairs, so that
 // memory stays busy. Each output element is accumulated in float32 and rounded to bf16 once, as the
 // reference (a float32 matmul of the same inputs, rounded) does.
-#include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 
 #include "convert.h"
-#include "cpu_ops.h"
+#include "lora_serve_tuning.h"
+#include "ops.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 
+namespace cpu_ops {
 namespace {
 
-constexpr int kRows = 8;  // rows of the output tile
-constexpr int kVectors = 3;  // 16-column vectors of the output tile
+constexpr int kRows = tuning::kBf16LinearTileRows;  // rows of the output tile
+constexpr int kVectors = tuning::kBf16LinearTileVectors;  // 16-column vectors of the output tile
+static_assert(kRows >= 1 && kRows <= 8 && kVectors >= 1 && kVectors <= 3, "multiply_rows instantiates 1-8 rows, 1-3 vectors");
 constexpr int64_t kColumns = 16;  // output columns per packed block
 
 // Lines [first_line, end_line) of `upcoming` are requested, spread evenly over the k-pairs.
@@ -76,56 +78,40 @@ void multiply_rows(int rows, const uint16_t* x, int64_t ldx, const uint16_t* b, 
 
 }  // namespace
 
-bool avx512_bf16_ready() { return true; }
+int64_t bf16_linear_groups(int64_t n) { return (n / kColumns + kVectors - 1) / kVectors; }
 
-void avx512_bf16_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x must be contiguous bf16 [M, K]");
-  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kBFloat16 && out.size(0) == x.size(0),
-              "out must be contiguous bf16 [M, N]");
-  const int64_t rows = x.size(0), k = x.size(1), n = out.size(1);
-  TORCH_CHECK(k % 2 == 0 && n % kColumns == 0, "K must be even and N a multiple of 16");
-  TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == at::kBFloat16 && packed.numel() == n * k,
-              "packed must be the contiguous packed form of a bf16 [N, K] weight");
-  const int64_t k_pairs = k / 2, blocks = n / kColumns, groups = (blocks + kVectors - 1) / kVectors;
+// Column groups [begin, end) of kVectors blocks of 16 output columns.
+void bf16_linear(const LinearArgs& args, int64_t begin, int64_t end) {
+  const int64_t rows = args.rows, k = args.k, n = args.n;
+  const int64_t k_pairs = k / 2, blocks = n / kColumns;
   const int64_t row_tiles = (rows + kRows - 1) / kRows, block_stride = k_pairs * 2 * kColumns;
-  const uint16_t* x_ptr = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const uint16_t* b_ptr = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  uint16_t* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float tile[kRows * kVectors * 16];
-    for (int64_t group = begin; group < end; ++group) {
-      const int64_t first_block = group * kVectors, vectors = std::min<int64_t>(kVectors, blocks - first_block);
-      const uint16_t* b_group = b_ptr + first_block * block_stride;
-      const int64_t next_vectors = group + 1 < end ? std::min<int64_t>(kVectors, blocks - first_block - vectors) : 0;
-      const char* upcoming = reinterpret_cast<const char*>(b_group + vectors * block_stride);
-      const int64_t upcoming_lines = next_vectors * block_stride * 2 / 64;
-      for (int64_t rt = 0; rt < row_tiles; ++rt) {
-        const int tile_rows = static_cast<int>(std::min<int64_t>(kRows, rows - rt * kRows));
-        const int64_t first_line = rt * upcoming_lines / row_tiles, end_line = (rt + 1) * upcoming_lines / row_tiles;
-        const uint16_t* x_rows = x_ptr + rt * kRows * k;
-        constexpr int64_t ldc = kVectors * 16;
-        if (vectors == 3)
-          multiply_rows<3>(tile_rows, x_rows, k, b_group, block_stride, k_pairs, upcoming, first_line, end_line, tile, ldc);
-        else if (vectors == 2)
-          multiply_rows<2>(tile_rows, x_rows, k, b_group, block_stride, k_pairs, upcoming, first_line, end_line, tile, ldc);
-        else
-          multiply_rows<1>(tile_rows, x_rows, k, b_group, block_stride, k_pairs, upcoming, first_line, end_line, tile, ldc);
-        for (int r = 0; r < tile_rows; ++r) {
-          uint16_t* out_row = out_ptr + (rt * kRows + r) * n + first_block * kColumns;
+  alignas(64) float tile[kRows * kVectors * 16];
+  for (int64_t group = begin; group < end; ++group) {
+    const int64_t first_block = group * kVectors, vectors = std::min<int64_t>(kVectors, blocks - first_block);
+    const uint16_t* b_group = args.packed + first_block * block_stride;
+    const int64_t next_vectors = group + 1 < end ? std::min<int64_t>(kVectors, blocks - first_block - vectors) : 0;
+    const char* upcoming = reinterpret_cast<const char*>(b_group + vectors * block_stride);
+    const int64_t upcoming_lines = next_vectors * block_stride * 2 / 64;
+    for (int64_t rt = 0; rt < row_tiles; ++rt) {
+      const int tile_rows = static_cast<int>(std::min<int64_t>(kRows, rows - rt * kRows));
+      const int64_t first_line = rt * upcoming_lines / row_tiles, end_line = (rt + 1) * upcoming_lines / row_tiles;
+      const uint16_t* x_rows = args.x + rt * kRows * k;
+      constexpr int64_t ldc = kVectors * 16;
+      if (vectors == 3)
+        multiply_rows<3>(tile_rows, x_rows, k, b_group, block_stride, k_pairs, upcoming, first_line, end_line, tile, ldc);
+      else if (vectors == 2)
+        multiply_rows<2>(tile_rows, x_rows, k, b_group, block_stride, k_pairs, upcoming, first_line, end_line, tile, ldc);
+      else
+        multiply_rows<1>(tile_rows, x_rows, k, b_group, block_stride, k_pairs, upcoming, first_line, end_line, tile, ldc);
+      for (int r = 0; r < tile_rows; ++r) {
+        uint16_t* out_row = args.out + (rt * kRows + r) * n + first_block * kColumns;
 #pragma omp simd
-          for (int64_t col = 0; col < vectors * 16; ++col) out_row[col] = cpu_ops::float_to_bf16_bits(tile[r * ldc + col]);
-        }
+        for (int64_t col = 0; col < vectors * 16; ++col) out_row[col] = float_to_bf16_bits(tile[r * ldc + col]);
       }
     }
-  });
+  }
 }
 
-#else  // built for a CPU without AVX512-BF16: callers check avx512_bf16_ready() and take oneDNN
+}  // namespace cpu_ops
 
-bool avx512_bf16_ready() { return false; }
-
-void avx512_bf16_linear(torch::Tensor, torch::Tensor, torch::Tensor) {
-  TORCH_CHECK(false, "built without AVX512-BF16");
-}
-
-#endif
+#endif  // __AVX512BF16__

@@ -1,25 +1,318 @@
-#include "cpu_ops.h"
+// The Python bindings of the compiled CPU ops (the extension `kernels._cpu_ops`), built once with
+// PyTorch's headers and the baseline flags of the platform. They check every tensor, split each op's
+// work over PyTorch's thread pool, and call the kernels of the active instruction-set form: a shared
+// library per form (`kernels/_cpu_isa_<form>*.so`, see setup.py), loaded with `load_form` and chosen
+// with `use_form`, as PyTorch and oneDNN choose their kernels by the CPU's features at run time.
+// Which forms this CPU can run is read from `cpuid` here (`supported_forms`).
+#include <dlfcn.h>
+#include <torch/extension.h>
 
-// Whether this build has the AVX-512 attention (the thresholds in kernels/tuning.py depend on it).
-static bool has_avx512() {
-#if defined(__AVX512F__)
-  return true;
-#else
-  return false;
+#include <map>
+#include <string>
+#include <vector>
+
+#include "kernel_table.h"
+#include "lora_serve_tuning.h"
+
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
+
+namespace {
+
+using cpu_ops::DType;
+using cpu_ops::KernelTable;
+
+std::map<std::string, const KernelTable*>& loaded_forms() {
+  static std::map<std::string, const KernelTable*> forms;
+  return forms;
 }
 
+const KernelTable* active = nullptr;
+
+const KernelTable& table() {
+  TORCH_CHECK(active != nullptr, "no compiled CPU op form is active (kernels.cpu_ops loads one at import)");
+  return *active;
+}
+
+#if defined(__x86_64__)
+uint64_t enabled_state_components() {
+  uint32_t eax = 0, edx = 0;
+  __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
+  return (static_cast<uint64_t>(edx) << 32) | eax;
+}
+
+bool bit(uint32_t word, int index) { return (word >> index) & 1u; }
+
+// Linux grants the AMX tile state only to processes that ask for it (ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); the grant is process-wide and permanent.
+bool amx_permission_granted() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return granted;
+}
+#endif
+
+// The forms this CPU and its operating system can run, in the order of preference.
+std::vector<std::string> supported_forms() {
+  std::vector<std::string> forms{"generic"};
+#if defined(__x86_64__)
+  uint32_t eax, ebx, ecx, edx;
+  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !bit(ecx, 27)) return forms;  // no OSXSAVE: no xgetbv
+  const bool fma = bit(ecx, 12), avx = bit(ecx, 28), f16c = bit(ecx, 29);
+  const uint64_t state = enabled_state_components();
+  const bool ymm_state = (state & 0x6) == 0x6, zmm_state = (state & 0xe6) == 0xe6;
+  const bool tile_state = (state & 0x60000) == 0x60000;
+  uint32_t leaf7_ebx = 0, leaf7_edx = 0, leaf7_1_eax = 0;
+  if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) {
+    leaf7_ebx = ebx;
+    leaf7_edx = edx;
+    if (eax >= 1 && __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) leaf7_1_eax = eax;
+  }
+  const bool avx2 = avx && fma && f16c && bit(leaf7_ebx, 5) && bit(leaf7_ebx, 8) && ymm_state;
+  const bool avx512 = avx2 && zmm_state && bit(leaf7_ebx, 16) && bit(leaf7_ebx, 17) && bit(leaf7_ebx, 28) &&
+                      bit(leaf7_ebx, 30) && bit(leaf7_ebx, 31);
+  const bool avx512_bf16 = avx512 && bit(leaf7_1_eax, 5);
+  const bool amx = avx512_bf16 && tile_state && bit(leaf7_edx, 22) && bit(leaf7_edx, 24) && amx_permission_granted();
+  if (avx2) forms.push_back("avx2");
+  if (avx512) forms.push_back("avx512");
+  if (avx512_bf16) forms.push_back("avx512_bf16");
+  if (amx) forms.push_back("amx");
+#endif
+  return forms;
+}
+
+// Loads a form's library (without exposing its symbols to anything else) and returns its name.
+std::string load_form(const std::string& path) {
+  void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  TORCH_CHECK(handle != nullptr, "cannot load ", path, ": ", dlerror());
+  using Getter = const KernelTable* (*)();
+  auto getter = reinterpret_cast<Getter>(dlsym(handle, "lora_serve_kernel_table"));
+  TORCH_CHECK(getter != nullptr, path, " exports no kernel table");
+  const KernelTable* loaded = getter();
+  TORCH_CHECK(loaded->abi_version == cpu_ops::kAbiVersion, path, " was built for kernel table version ",
+              loaded->abi_version, ", these bindings expect ", cpu_ops::kAbiVersion);
+  loaded_forms()[loaded->form] = loaded;
+  return loaded->form;
+}
+
+void use_form(const std::string& form) {
+  auto found = loaded_forms().find(form);
+  TORCH_CHECK(found != loaded_forms().end(), "compiled CPU op form ", form, " is not loaded");
+  active = found->second;
+}
+
+std::string active_form() { return active ? active->form : ""; }
+
+std::string source_digest() { return std::string(table().source_digest); }
+
+bool has_vector_attention() { return table().vector_attention; }
+
+std::vector<std::string> linear_kernels() {
+  std::vector<std::string> kinds;
+  if (table().amx_linear) kinds.push_back("amx");
+  if (table().bf16_linear) kinds.push_back("avx512_bf16");
+  return kinds;
+}
+
+std::map<std::string, int64_t> constants() {
+  std::map<std::string, int64_t> values;
+  for (int64_t i = 0; i < table().num_constants; ++i) values[table().constants[i].name] = table().constants[i].value;
+  return values;
+}
+
+DType dtype_of(const torch::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::f32;
+    case at::kBFloat16: return DType::bf16;
+    case at::kHalf: return DType::f16;
+    default: TORCH_CHECK(false, "compiled CPU ops take float32, bfloat16 or float16, not ", t.scalar_type());
+  }
+}
+
+void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.is_contiguous(), name, " must be a contiguous CPU [rows, width] tensor");
+}
+
+template <typename Args, typename Kernel>
+void run_tasks(Kernel kernel, const Args& args, int64_t num_tasks, int64_t grain) {
+  TORCH_CHECK(kernel != nullptr, "this form has no such kernel");
+  at::parallel_for(0, num_tasks, grain, [&](int64_t begin, int64_t end) { kernel(args, begin, end); });
+}
+
+void norm(torch::Tensor out, torch::Tensor x, const torch::Tensor* residual, torch::Tensor weight, double eps) {
+  check_rows(x, "x");
+  check_rows(out, "out");
+  TORCH_CHECK(out.sizes() == x.sizes() && weight.numel() == x.size(1) && weight.is_contiguous(),
+              "shapes of out, x and weight disagree");
+  TORCH_CHECK(out.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(), "one dtype expected");
+  if (residual) {
+    check_rows(*residual, "residual");
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(), "residual must match x");
+  }
+  const cpu_ops::NormArgs args{dtype_of(x), x.data_ptr(), residual ? residual->data_ptr() : nullptr, weight.data_ptr(),
+                               out.data_ptr(), x.size(1), static_cast<float>(eps)};
+  run_tasks(table().rms_norm, args, x.size(0), cpu_ops::tuning::kRowsPerTask);
+}
+
+void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps) { norm(out, x, nullptr, weight, eps); }
+
+void add_rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  norm(out, x, &residual, weight, eps);
+}
+
+void silu_and_mul(torch::Tensor out, torch::Tensor gate_up) {
+  check_rows(gate_up, "gate_up");
+  check_rows(out, "out");
+  TORCH_CHECK(gate_up.size(0) == out.size(0) && gate_up.size(1) == 2 * out.size(1), "gate_up must be [rows, 2 * width]");
+  TORCH_CHECK(out.scalar_type() == gate_up.scalar_type(), "one dtype expected");
+  const cpu_ops::SiluArgs args{dtype_of(out), gate_up.data_ptr(), out.data_ptr(), out.size(1)};
+  run_tasks(table().silu_and_mul, args, out.size(0), cpu_ops::tuning::kRowsPerTask);
+}
+
+void rotary_store_kv(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                     torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping, int64_t num_heads,
+                     int64_t num_kv_heads) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be [tokens, (H + 2 * Hkv) * D] with unit column stride");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes(), "cos and sin: [positions, D]");
+  const int64_t head_dim = cos.size(1);
+  TORCH_CHECK(head_dim % 2 == 0 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim, "qkv width disagrees");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.dim() == 4 && k_cache.size(2) == num_kv_heads && k_cache.size(3) == head_dim,
+              "caches must be contiguous [blocks, block_size, Hkv, D]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong &&
+                  positions.is_contiguous() && slot_mapping.is_contiguous() &&
+                  positions.numel() == qkv.size(0) && slot_mapping.numel() == qkv.size(0),
+              "positions and slot_mapping: contiguous int64 [tokens]");
+  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type() &&
+                  k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type(),
+              "one dtype expected");
+  const cpu_ops::RotaryArgs args{dtype_of(qkv), qkv.data_ptr(), qkv.stride(0), positions.data_ptr<int64_t>(),
+                                 cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                 slot_mapping.data_ptr<int64_t>(), num_heads, num_kv_heads, head_dim, k_cache.size(1)};
+  run_tasks(table().rotary_store_kv, args, qkv.size(0), cpu_ops::tuning::kRowsPerTask);
+}
+
+void paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                     torch::Tensor seq_lens, torch::Tensor query_start, torch::Tensor seqs, double scale,
+                     torch::Tensor out) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4, "caches must be contiguous");
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && q.stride(2) == 1 && out.stride(2) == 1,
+              "q and out: [T, H, D] with head_dim contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type() &&
+                  out.scalar_type() == q.scalar_type(), "q, caches and out must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start.scalar_type() == at::kInt && seqs.scalar_type() == at::kLong,
+              "block_tables, seq_lens, query_start are int32 and seqs int64");
+  TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous() && query_start.is_contiguous() &&
+                  seqs.is_contiguous(), "index tensors must be contiguous");
+  const int64_t num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(q.size(1) % num_kv_heads == 0 && k_cache.size(3) == q.size(2), "heads or head_dim disagree");
+  const cpu_ops::AttentionArgs args{dtype_of(q), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+                                    block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
+                                    query_start.data_ptr<int32_t>(), seqs.data_ptr<int64_t>(), q.size(1), num_kv_heads,
+                                    q.size(2), k_cache.size(1), block_tables.size(1), q.stride(0), q.stride(1),
+                                    out.stride(0), out.stride(1), static_cast<float>(scale)};
+  run_tasks(table().paged_attention, args, seqs.size(0) * num_kv_heads, 1);
+}
+
+void max_logsumexp(torch::Tensor scores, torch::Tensor values, torch::Tensor indices, torch::Tensor log_normaliser) {
+  check_rows(scores, "scores");
+  TORCH_CHECK(scores.size(1) > 0, "scores need at least one column");
+  const int64_t rows = scores.size(0);
+  TORCH_CHECK(values.numel() == rows && indices.numel() == rows && log_normaliser.numel() == rows &&
+                  values.scalar_type() == at::kFloat && log_normaliser.scalar_type() == at::kFloat &&
+                  indices.scalar_type() == at::kLong && values.is_contiguous() && indices.is_contiguous() &&
+                  log_normaliser.is_contiguous(),
+              "outputs: float32 values and log_normaliser, int64 indices, one per row");
+  const cpu_ops::MaxLogSumExpArgs args{dtype_of(scores), scores.data_ptr(), scores.size(1), values.data_ptr<float>(),
+                                       indices.data_ptr<int64_t>(), log_normaliser.data_ptr<float>()};
+  run_tasks(table().max_logsumexp, args, rows, 1);
+}
+
+void lora_segments(torch::Tensor y, torch::Tensor x, torch::Tensor lora_a, torch::Tensor lora_b, torch::Tensor segments,
+                   std::vector<int64_t> slice_ranks, std::vector<int64_t> slice_offsets, std::vector<double> scales) {
+  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.is_contiguous() && y.is_contiguous() && x.size(0) == y.size(0),
+              "x [T, in] and y [T, out] must be contiguous with the same rows");
+  TORCH_CHECK(x.scalar_type() == y.scalar_type(), "x and y must share a dtype");
+  TORCH_CHECK(lora_a.scalar_type() == at::kFloat && lora_b.scalar_type() == at::kFloat, "adapter weights must be float32");
+  TORCH_CHECK(lora_a.dim() == 3 && lora_a.stride(2) == 1 && lora_a.size(2) == x.size(1), "lora_a must be [S, R, in], rows contiguous");
+  TORCH_CHECK(lora_b.dim() == 3 && lora_b.stride(1) == 1 && lora_b.size(1) == y.size(1) && lora_b.size(0) == lora_a.size(0),
+              "lora_b must be [S, out, R] with the output dimension contiguous");
+  TORCH_CHECK(segments.dim() == 2 && segments.size(1) == 3 && segments.scalar_type() == at::kLong && segments.is_contiguous(),
+              "segments must be int64 [n, 3] (start, length, slot)");
+  const int64_t num_slices = static_cast<int64_t>(slice_offsets.size()) - 1;
+  TORCH_CHECK(num_slices >= 1 && num_slices <= 8 && slice_offsets.front() == 0 && slice_offsets.back() == y.size(1),
+              "slice_offsets: 1 to 8 slices running from 0 to y's width");
+  TORCH_CHECK(lora_a.size(1) == num_slices * lora_b.size(2), "lora_a rows must be num_slices * lora_b's rank");
+  const auto num_slots = static_cast<size_t>(lora_a.size(0));
+  TORCH_CHECK(slice_ranks.empty() || slice_ranks.size() == num_slots * num_slices, "slice_ranks: one per slot and slice, or empty");
+  TORCH_CHECK(scales.empty() || scales.size() == num_slots, "scales: one per slot, or empty");
+  const cpu_ops::LoraArgs args{dtype_of(x), x.data_ptr(), y.data_ptr(), lora_a.data_ptr<float>(), lora_b.data_ptr<float>(),
+                               lora_a.stride(0), lora_a.stride(1), lora_b.stride(0), lora_b.stride(2),
+                               segments.data_ptr<int64_t>(), slice_ranks.empty() ? nullptr : slice_ranks.data(),
+                               slice_offsets.data(), scales.empty() ? nullptr : scales.data(), x.size(1), y.size(1),
+                               num_slices, lora_b.size(2)};
+  run_tasks(table().lora_segments, args, segments.size(0), 1);
+}
+
+void check_linear(const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& packed) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x must be contiguous bf16 [M, K]");
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kBFloat16 && out.size(0) == x.size(0),
+              "out must be contiguous bf16 [M, N]");
+  TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == at::kBFloat16 && packed.numel() == out.size(1) * x.size(1),
+              "packed must be the contiguous packed form of a bf16 [N, K] weight");
+}
+
+cpu_ops::LinearArgs linear_args(const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& packed, int64_t rows) {
+  return {reinterpret_cast<const uint16_t*>(x.data_ptr()), reinterpret_cast<const uint16_t*>(packed.data_ptr()),
+          reinterpret_cast<uint16_t*>(out.data_ptr()), rows, x.size(1), out.size(1)};
+}
+
+void bf16_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed) {
+  check_linear(out, x, packed);
+  TORCH_CHECK(x.size(1) % 2 == 0 && out.size(1) % 16 == 0, "K must be even and N a multiple of 16");
+  TORCH_CHECK(table().bf16_linear != nullptr, "the active form has no AVX512-BF16 matmul");
+  run_tasks(table().bf16_linear, linear_args(out, x, packed, x.size(0)), table().bf16_linear_groups(out.size(1)), 1);
+}
+
+void amx_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed) {
+  check_linear(out, x, packed);
+  TORCH_CHECK(x.size(1) % 32 == 0 && out.size(1) % 32 == 0, "K and N must be multiples of 32");
+  TORCH_CHECK(table().amx_linear != nullptr, "the active form has no AMX matmul");
+  const int64_t rows = x.size(0), padded_rows = (rows + 31) / 32 * 32;
+  torch::Tensor padded = x;  // the tiles read 32 rows at a time: pad x with zero rows to a whole block
+  if (padded_rows != rows) {
+    padded = torch::zeros({padded_rows, x.size(1)}, x.options());
+    padded.narrow(0, 0, rows).copy_(x);
+  }
+  run_tasks(table().amx_linear, linear_args(out, padded, packed, rows), table().amx_linear_groups(out.size(1)), 1);
+}
+
+double peak_flops(const std::string& kind, int64_t iterations, double seed) {
+  return table().peak_flops(kind.c_str(), iterations, seed);
+}
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("has_avx512", &has_avx512);
-  m.def("paged_attention", &paged_attention);
+  m.def("supported_forms", &supported_forms);
+  m.def("load_form", &load_form);
+  m.def("use_form", &use_form);
+  m.def("active_form", &active_form);
+  m.def("source_digest", &source_digest);
+  m.def("constants", &constants);
+  m.def("has_vector_attention", &has_vector_attention);
+  m.def("linear_kernels", &linear_kernels);
   m.def("rms_norm", &rms_norm);
   m.def("add_rms_norm", &add_rms_norm);
   m.def("silu_and_mul", &silu_and_mul);
   m.def("rotary_store_kv", &rotary_store_kv);
+  m.def("paged_attention", &paged_attention);
   m.def("max_logsumexp", &max_logsumexp);
   m.def("lora_segments", &lora_segments);
-  m.def("amx_ready", &amx_ready);
+  m.def("bf16_linear", &bf16_linear);
   m.def("amx_linear", &amx_linear);
-  m.def("avx512_bf16_ready", &avx512_bf16_ready);
-  m.def("avx512_bf16_linear", &avx512_bf16_linear);
+  m.def("peak_flops", &peak_flops);
 }

@@ -1,16 +1,27 @@
-// Row conversions between the tensor dtypes and float, written as plain loops over raw bits so the
-// compiler vectorises them (c10's scalar conversions do not), and the rounding the reference
-// implementations apply after every bf16/fp16 operation.
+// The 16-bit float types of the kernels and their conversions to and from float, written as plain
+// loops over raw bits so the compiler vectorises them for each form, and the rounding the reference
+// implementations apply after every bf16/fp16 operation. No PyTorch headers: a form's library is
+// compiled with its own instruction-set flags and must share no inline code with the bindings.
 #pragma once
-#include <torch/extension.h>
-#include <cstdint>
 #include <bit>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace cpu_ops {
 
-inline float bf16_bits_to_float(uint16_t bits) {
-  return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16);
-}
+struct bf16 {
+  uint16_t bits;
+};
+
+struct f16 {
+  uint16_t bits;
+};
+
+inline float bf16_bits_to_float(uint16_t bits) { return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16); }
 
 // Round to nearest even, as c10::BFloat16 does; NaN stays a (quiet) NaN.
 inline uint16_t float_to_bf16_bits(float value) {
@@ -19,38 +30,74 @@ inline uint16_t float_to_bf16_bits(float value) {
   return (word & 0x7fffffffu) > 0x7f800000u ? uint16_t{0x7fc0} : rounded;
 }
 
+// IEEE half <-> float, round to nearest even (the F16C instructions where the form has them).
+inline float f16_bits_to_float(uint16_t bits) {
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);
+#else
+  const uint32_t sign = static_cast<uint32_t>(bits & 0x8000u) << 16;
+  const uint32_t exponent = (bits >> 10) & 0x1fu, mantissa = bits & 0x3ffu;
+  if (exponent == 0x1f) return std::bit_cast<float>(sign | 0x7f800000u | (mantissa << 13));  // inf, NaN
+  if (exponent != 0) return std::bit_cast<float>(sign | ((exponent + 112) << 23) | (mantissa << 13));
+  const float magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-8f;  // subnormal: m * 2^-24
+  return sign ? -magnitude : magnitude;
+#endif
+}
+
+inline uint16_t float_to_f16_bits(float value) {
+#if defined(__F16C__)
+  return _cvtss_sh(value, _MM_FROUND_TO_NEAREST_INT);
+#else
+  const uint32_t word = std::bit_cast<uint32_t>(value);
+  const uint16_t sign = static_cast<uint16_t>((word >> 16) & 0x8000u);
+  const uint32_t magnitude = word & 0x7fffffffu;
+  if (magnitude > 0x7f800000u) return sign | 0x7e00u;  // NaN
+  if (magnitude >= 0x477ff000u) return sign | 0x7c00u;  // rounds to infinity (or is infinite)
+  if (magnitude < 0x38800000u) {  // a half subnormal or zero: round |value| * 2^24 to an integer
+    const float scaled = std::bit_cast<float>(magnitude) * 16777216.f;
+    const float rounded = (scaled + 8388608.f) - 8388608.f;  // nearest even, |scaled| < 2^10
+    return sign | static_cast<uint16_t>(rounded);
+  }
+  const uint32_t rebased = magnitude - (112u << 23);  // exponent rebiased from 127 to 15
+  return sign | static_cast<uint16_t>((rebased + 0xfffu + ((rebased >> 13) & 1u)) >> 13);
+#endif
+}
+
+inline float to_float_one(float v) { return v; }
+inline float to_float_one(bf16 v) { return bf16_bits_to_float(v.bits); }
+inline float to_float_one(f16 v) { return f16_bits_to_float(v.bits); }
+
+template <typename T>
+inline T from_float_one(float v);
+template <>
+inline float from_float_one<float>(float v) { return v; }
+template <>
+inline bf16 from_float_one<bf16>(float v) { return bf16{float_to_bf16_bits(v)}; }
+template <>
+inline f16 from_float_one<f16>(float v) { return f16{float_to_f16_bits(v)}; }
+
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float_one(src[i]);
 }
 
 template <>
-inline void to_float<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_bits_to_float(bits[i]);
+inline void to_float<float>(const float* src, float* dst, int64_t n) {
+  std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
 }
 
 template <typename T>
 inline void from_float(const float* src, T* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
-}
-
-template <>
-inline void from_float<c10::BFloat16>(const float* src, c10::BFloat16* dst, int64_t n) {
-  uint16_t* bits = reinterpret_cast<uint16_t*>(dst);
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) bits[i] = float_to_bf16_bits(src[i]);
+  for (int64_t i = 0; i < n; ++i) dst[i] = from_float_one<T>(src[i]);
 }
 
 // The value a float takes once stored as T (identity for float).
 template <typename T>
-inline float round_to(float value) { return static_cast<float>(static_cast<T>(value)); }
+inline float round_to(float value) { return to_float_one(from_float_one<T>(value)); }
 
 template <>
 inline float round_to<float>(float value) { return value; }
-
-template <>
-inline float round_to<c10::BFloat16>(float value) { return bf16_bits_to_float(float_to_bf16_bits(value)); }
 
 }  // namespace cpu_ops

@@ -1,23 +1,18 @@
 // Fused per-token ops of the Llama block: RMS norm (with the residual add), SiLU-and-multiply, and
 // rotary embedding fused with the KV-cache write. Each reproduces the roundings of the reference
-// (kernels/reference.py, itself HF transformers' order of operations): a bf16 result is rounded
-// wherever the reference stores an intermediate bf16 tensor, so the outputs match it to the bit
+// (kernels/reference.py, itself HF transformers' order of operations): a 16-bit result is rounded
+// wherever the reference stores an intermediate 16-bit tensor, so the outputs match it to the bit
 // except where the exponential differs in its last float bit.
-#include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
 #include "convert.h"
 #include "exp.h"
-#include "cpu_ops.h"
+#include "ops.h"
 
+namespace cpu_ops {
 namespace {
-
-using cpu_ops::from_float;
-using cpu_ops::round_to;
-using cpu_ops::to_float;
-
-constexpr int64_t kRowsPerTask = 16;
 
 // row <- weight * T(row * rsqrt(mean(row^2) + eps)), in floats; `weight` already converted.
 template <typename T>
@@ -31,46 +26,40 @@ void normalise_row(float* row, const float* weight, int64_t hidden, float eps) {
 }
 
 template <typename T>
-void norm_kernel(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor* residual, const torch::Tensor& weight,
-                 double eps) {
-  const int64_t rows = x.size(0), hidden = x.size(1);
-  std::vector<float> weight_f(hidden);
-  to_float(weight.data_ptr<T>(), weight_f.data(), hidden);
-  const T* x_ptr = x.data_ptr<T>();
-  T* residual_ptr = residual ? residual->data_ptr<T>() : nullptr;
-  T* out_ptr = out.data_ptr<T>();
-  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(hidden), other(hidden);
-    for (int64_t r = begin; r < end; ++r) {
-      to_float(x_ptr + r * hidden, row.data(), hidden);
-      if (residual_ptr) {  // residual <- T(residual + x); the norm reads the sum
-        T* res = residual_ptr + r * hidden;
-        to_float(res, other.data(), hidden);
+void norm_rows(const NormArgs& a, int64_t begin, int64_t end) {
+  const int64_t hidden = a.hidden;
+  std::vector<float> weight(hidden), row(hidden), other(hidden);
+  to_float(static_cast<const T*>(a.weight), weight.data(), hidden);
+  const T* x = static_cast<const T*>(a.x);
+  T* residual = static_cast<T*>(a.residual);
+  T* out = static_cast<T*>(a.out);
+  for (int64_t r = begin; r < end; ++r) {
+    to_float(x + r * hidden, row.data(), hidden);
+    if (residual) {  // residual <- T(residual + x); the norm reads the sum
+      T* res = residual + r * hidden;
+      to_float(res, other.data(), hidden);
 #pragma omp simd
-        for (int64_t i = 0; i < hidden; ++i) row[i] = round_to<T>(row[i] + other[i]);
-        from_float(row.data(), res, hidden);
-      }
-      normalise_row<T>(row.data(), weight_f.data(), hidden, static_cast<float>(eps));
-      from_float(row.data(), out_ptr + r * hidden, hidden);
+      for (int64_t i = 0; i < hidden; ++i) row[i] = round_to<T>(row[i] + other[i]);
+      from_float(row.data(), res, hidden);
     }
-  });
+    normalise_row<T>(row.data(), weight.data(), hidden, a.eps);
+    from_float(row.data(), out + r * hidden, hidden);
+  }
 }
 
 template <typename T>
-void silu_mul_kernel(torch::Tensor& out, const torch::Tensor& gate_up) {
-  const int64_t rows = gate_up.size(0), width = out.size(1);
-  const T* in_ptr = gate_up.data_ptr<T>();
-  T* out_ptr = out.data_ptr<T>();
-  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    std::vector<float> gate(width), up(width);
-    for (int64_t r = begin; r < end; ++r) {
-      to_float(in_ptr + r * 2 * width, gate.data(), width);
-      to_float(in_ptr + r * 2 * width + width, up.data(), width);
+void silu_rows(const SiluArgs& a, int64_t begin, int64_t end) {
+  const int64_t width = a.width;
+  const T* in = static_cast<const T*>(a.gate_up);
+  T* out = static_cast<T*>(a.out);
+  std::vector<float> gate(width), up(width);
+  for (int64_t r = begin; r < end; ++r) {
+    to_float(in + r * 2 * width, gate.data(), width);
+    to_float(in + r * 2 * width + width, up.data(), width);
 #pragma omp simd
-      for (int64_t i = 0; i < width; ++i) gate[i] = round_to<T>(gate[i] / (1.f + cpu_ops::vector_exp(-gate[i]))) * up[i];
-      from_float(gate.data(), out_ptr + r * width, width);
-    }
-  });
+    for (int64_t i = 0; i < width; ++i) gate[i] = round_to<T>(gate[i] / (1.f + vector_exp(-gate[i]))) * up[i];
+    from_float(gate.data(), out + r * width, width);
+  }
 }
 
 // Rotate one head in place: x*cos + rotate_half(x)*sin, rounding each product and the sum to T.
@@ -86,96 +75,43 @@ void rotate_head(float* x, const float* cos, const float* sin, float* rotated, i
 }
 
 template <typename T>
-void rotary_store_kernel(torch::Tensor& qkv, const torch::Tensor& positions, const torch::Tensor& cos,
-                         const torch::Tensor& sin, torch::Tensor& k_cache, torch::Tensor& v_cache,
-                         const torch::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
-  const int64_t tokens = qkv.size(0), row_stride = qkv.stride(0), head_dim = cos.size(1);
-  const int64_t rotated_heads = num_heads + num_kv_heads;
-  const int64_t block_size = k_cache.size(1);
-  const int64_t kv_row = num_kv_heads * head_dim;  // one token's keys (or values) in the cache
-  T* qkv_ptr = qkv.data_ptr<T>();
-  const int64_t* pos_ptr = positions.data_ptr<int64_t>();
-  const int64_t* slot_ptr = slot_mapping.data_ptr<int64_t>();
-  const T* cos_ptr = cos.data_ptr<T>();
-  const T* sin_ptr = sin.data_ptr<T>();
-  T* k_ptr = k_cache.data_ptr<T>();
-  T* v_ptr = v_cache.data_ptr<T>();
-  at::parallel_for(0, tokens, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    std::vector<float> cos_f(head_dim), sin_f(head_dim), head(head_dim), rotated(head_dim);
-    for (int64_t t = begin; t < end; ++t) {
-      to_float(cos_ptr + pos_ptr[t] * head_dim, cos_f.data(), head_dim);
-      to_float(sin_ptr + pos_ptr[t] * head_dim, sin_f.data(), head_dim);
-      T* row = qkv_ptr + t * row_stride;
-      for (int64_t h = 0; h < rotated_heads; ++h) {
-        to_float(row + h * head_dim, head.data(), head_dim);
-        rotate_head<T>(head.data(), cos_f.data(), sin_f.data(), rotated.data(), head_dim);
-        from_float(head.data(), row + h * head_dim, head_dim);
-      }
-      const int64_t slot = slot_ptr[t];
-      if (slot < 0) continue;  // padding: rotated, not stored
-      const int64_t offset = (slot / block_size) * k_cache.stride(0) + (slot % block_size) * k_cache.stride(1);
-      std::copy(row + num_heads * head_dim, row + rotated_heads * head_dim, k_ptr + offset);
-      std::copy(row + rotated_heads * head_dim, row + rotated_heads * head_dim + kv_row, v_ptr + offset);
+void rotary_tokens(const RotaryArgs& a, int64_t begin, int64_t end) {
+  const int64_t head_dim = a.head_dim, rotated_heads = a.num_heads + a.num_kv_heads;
+  const int64_t kv_row = a.num_kv_heads * head_dim;  // one token's keys (or values) in the cache
+  const int64_t block_stride = a.block_size * kv_row;
+  T* qkv = static_cast<T*>(a.qkv);
+  const T* cos = static_cast<const T*>(a.cos);
+  const T* sin = static_cast<const T*>(a.sin);
+  T* k_cache = static_cast<T*>(a.k_cache);
+  T* v_cache = static_cast<T*>(a.v_cache);
+  std::vector<float> cos_f(head_dim), sin_f(head_dim), head(head_dim), rotated(head_dim);
+  for (int64_t t = begin; t < end; ++t) {
+    to_float(cos + a.positions[t] * head_dim, cos_f.data(), head_dim);
+    to_float(sin + a.positions[t] * head_dim, sin_f.data(), head_dim);
+    T* row = qkv + t * a.row_stride;
+    for (int64_t h = 0; h < rotated_heads; ++h) {
+      to_float(row + h * head_dim, head.data(), head_dim);
+      rotate_head<T>(head.data(), cos_f.data(), sin_f.data(), rotated.data(), head_dim);
+      from_float(head.data(), row + h * head_dim, head_dim);
     }
-  });
-}
-
-void check_rows(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() == 2 && t.is_contiguous(), name, " must be a contiguous [rows, width] tensor");
+    const int64_t slot = a.slot_mapping[t];
+    if (slot < 0) continue;  // padding: rotated, not stored
+    const int64_t offset = (slot / a.block_size) * block_stride + (slot % a.block_size) * kv_row;
+    std::copy(row + a.num_heads * head_dim, row + rotated_heads * head_dim, k_cache + offset);
+    std::copy(row + rotated_heads * head_dim, row + rotated_heads * head_dim + kv_row, v_cache + offset);
+  }
 }
 
 }  // namespace
 
-void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps) {
-  check_rows(x, "x");
-  check_rows(out, "out");
-  TORCH_CHECK(out.sizes() == x.sizes() && weight.numel() == x.size(1), "shapes of out, x and weight disagree");
-  TORCH_CHECK(out.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(), "one dtype expected");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
-    norm_kernel<scalar_t>(out, x, nullptr, weight.contiguous(), eps);
-  });
+void rms_norm(const NormArgs& a, int64_t begin, int64_t end) { dispatch_dtype(a.dtype, [&]<typename T>() { norm_rows<T>(a, begin, end); }); }
+
+void silu_and_mul(const SiluArgs& a, int64_t begin, int64_t end) {
+  dispatch_dtype(a.dtype, [&]<typename T>() { silu_rows<T>(a, begin, end); });
 }
 
-void add_rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
-  check_rows(x, "x");
-  check_rows(out, "out");
-  check_rows(residual, "residual");
-  TORCH_CHECK(out.sizes() == x.sizes() && residual.sizes() == x.sizes() && weight.numel() == x.size(1),
-              "shapes of out, x, residual and weight disagree");
-  TORCH_CHECK(out.scalar_type() == x.scalar_type() && residual.scalar_type() == x.scalar_type() &&
-                  weight.scalar_type() == x.scalar_type(), "one dtype expected");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
-    norm_kernel<scalar_t>(out, x, &residual, weight.contiguous(), eps);
-  });
+void rotary_store_kv(const RotaryArgs& a, int64_t begin, int64_t end) {
+  dispatch_dtype(a.dtype, [&]<typename T>() { rotary_tokens<T>(a, begin, end); });
 }
 
-void silu_and_mul(torch::Tensor out, torch::Tensor gate_up) {
-  check_rows(gate_up, "gate_up");
-  check_rows(out, "out");
-  TORCH_CHECK(gate_up.size(0) == out.size(0) && gate_up.size(1) == 2 * out.size(1), "gate_up must be [rows, 2 * width]");
-  TORCH_CHECK(out.scalar_type() == gate_up.scalar_type(), "one dtype expected");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "silu_and_mul", [&] {
-    silu_mul_kernel<scalar_t>(out, gate_up);
-  });
-}
-
-void rotary_store_kv(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
-                     torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping, int64_t num_heads,
-                     int64_t num_kv_heads) {
-  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be [tokens, (H + 2 * Hkv) * D] with unit column stride");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes(), "cos and sin: [positions, D]");
-  const int64_t head_dim = cos.size(1);
-  TORCH_CHECK(head_dim % 2 == 0 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim, "qkv width disagrees");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
-                  k_cache.size(2) == num_kv_heads && k_cache.size(3) == head_dim,
-              "caches must be contiguous [blocks, block_size, Hkv, D]");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong &&
-                  positions.is_contiguous() && slot_mapping.is_contiguous() &&
-                  positions.numel() == qkv.size(0) && slot_mapping.numel() == qkv.size(0),
-              "positions and slot_mapping: contiguous int64 [tokens]");
-  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && k_cache.scalar_type() == qkv.scalar_type() &&
-                  v_cache.scalar_type() == qkv.scalar_type(), "one dtype expected");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rotary_store_kv", [&] {
-    rotary_store_kernel<scalar_t>(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads);
-  });
-}
+}  // namespace cpu_ops

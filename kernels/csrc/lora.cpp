@@ -1,7 +1,7 @@
 // Multi-adapter LoRA on CPU, one run of tokens sharing an adapter slot (a segment) at a time
-// (segments [n, 3]: start, length, slot; scales per slot, empty = 1; slot_ranks per slot, or per
-// slot and slice ([S * num_slices], so a slice an adapter does not target costs nothing), or empty
-// = the padded max rank):
+// (segments [n, 3]: start, length, slot; scales per slot, or null = 1; slice_ranks per slot and
+// slice ([S * num_slices], so a slice an adapter does not target costs nothing), or null = the
+// padded max rank):
 //   y[t, cols_i] += T((x[t] @ A[s, slice i, :rank_i].T) @ B[s, cols_i, :rank_i].T * scale[s])
 // for every token t of a segment with slot s, slice i of a fused projection (kernels.reference.add_lora).
 // x and y are float32 or bfloat16, the adapter weights float32 (the engine keeps its CPU pool in
@@ -9,54 +9,43 @@
 // contiguous (the pool stores B as [slots, rank, out] and passes the [slots, out, rank] view), so
 // the expand is rank vector multiply-adds along each output row, with no horizontal sums.
 // Each segment's delta is formed in fp32 and added to y with one rounding, as the reference does.
-#include <ATen/Parallel.h>
 #include <algorithm>
 #include <type_traits>
 #include <vector>
 
 #include "convert.h"
-#include "cpu_ops.h"
+#include "lora_serve_tuning.h"
+#include "ops.h"
 
+namespace cpu_ops {
 namespace {
-
-using cpu_ops::from_float;
-using cpu_ops::to_float;
 
 // Tokens of a segment computed together, so each row of A and B is read from memory once per block;
 // output columns per expand chunk, so the chunk of B and the block's deltas stay in L1 (rank 16,
 // 64 tokens over 8 adapters: chunks of 256 took 128 us against 179 us for chunks of 512).
-constexpr int64_t kTokenBlock = 8;
-constexpr int64_t kColumnChunk = 256;
+constexpr int64_t kTokenBlock = tuning::kLoraTokenBlock;
+constexpr int64_t kColumnChunk = tuning::kLoraColumnChunk;
 constexpr int64_t kMaxSlices = 8;  // fused projections have 1 (o, down), 2 (gate/up) or 3 (q/k/v)
 
 template <typename T>
-void lora_kernel(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& lora_a, const torch::Tensor& lora_b,
-                 const torch::Tensor& segments, const std::vector<int64_t>& slot_ranks,
-                 const std::vector<int64_t>& offsets, const std::vector<double>& scales) {
-  const int64_t hidden_in = x.size(1), total_out = y.size(1);
-  const int64_t num_slices = static_cast<int64_t>(offsets.size()) - 1;
-  const int64_t max_rank = lora_a.size(1) / num_slices;
-  const bool ranks_per_slice = static_cast<int64_t>(slot_ranks.size()) == lora_a.size(0) * num_slices && num_slices > 1;
-  const int64_t a_slot_stride = lora_a.stride(0), a_row_stride = lora_a.stride(1);
-  const int64_t b_slot_stride = lora_b.stride(0), b_rank_stride = lora_b.stride(2);
-  const T* x_ptr = x.data_ptr<T>();
-  T* y_ptr = y.data_ptr<T>();
-  const float* a_ptr = lora_a.data_ptr<float>();
-  const float* b_ptr = lora_b.data_ptr<float>();
-  const int64_t* seg = segments.data_ptr<int64_t>();  // [n, 3]: start, length, slot
-  at::parallel_for(0, segments.size(0), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> x_rows(kTokenBlock * hidden_in), deltas(kTokenBlock * total_out), y_row(total_out);
-    std::vector<float> shrunk(kTokenBlock * num_slices * max_rank);
-    for (int64_t s = begin; s < end; ++s) {
-      const int64_t start = seg[3 * s], length = seg[3 * s + 1], slot = seg[3 * s + 2];
+void lora_kernel(const LoraArgs& args, int64_t begin, int64_t end) {
+  const int64_t hidden_in = args.hidden_in, total_out = args.total_out;
+  const int64_t num_slices = args.num_slices, max_rank = args.max_rank;
+  const int64_t a_row_stride = args.a_row_stride, b_rank_stride = args.b_rank_stride;
+  const int64_t* offsets = args.slice_offsets;
+  const T* x_ptr = static_cast<const T*>(args.x);
+  T* y_ptr = static_cast<T*>(args.y);
+  std::vector<float> x_rows(kTokenBlock * hidden_in), deltas(kTokenBlock * total_out), y_row(total_out);
+  std::vector<float> shrunk(kTokenBlock * num_slices * max_rank);
+  for (int64_t s = begin; s < end; ++s) {
+      const int64_t* segment = args.segments + 3 * s;  // start, length, slot
+      const int64_t start = segment[0], length = segment[1], slot = segment[2];
       int64_t ranks[kMaxSlices];
-      for (int64_t i = 0; i < num_slices; ++i) {
-        const int64_t known = ranks_per_slice ? slot_ranks[slot * num_slices + i] : slot_ranks.empty() ? max_rank : slot_ranks[slot];
-        ranks[i] = std::min(known, max_rank);
-      }
-      const float scale = scales.empty() ? 1.f : static_cast<float>(scales[slot]);
-      const float* a_slot = a_ptr + slot * a_slot_stride;
-      const float* b_slot = b_ptr + slot * b_slot_stride;
+      for (int64_t i = 0; i < num_slices; ++i)
+        ranks[i] = args.slice_ranks ? std::min(args.slice_ranks[slot * num_slices + i], max_rank) : max_rank;
+      const float scale = args.scales ? static_cast<float>(args.scales[slot]) : 1.f;
+      const float* a_slot = args.lora_a + slot * args.a_slot_stride;
+      const float* b_slot = args.lora_b + slot * args.b_slot_stride;
       for (int64_t first = start; first < start + length; first += kTokenBlock) {
         const int64_t block = std::min(kTokenBlock, start + length - first);
         for (int64_t t = 0; t < block; ++t) to_float(x_ptr + (first + t) * hidden_in, &x_rows[t * hidden_in], hidden_in);
@@ -138,33 +127,14 @@ void lora_kernel(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& 
           }
         }
       }
-    }
-  });
+  }
 }
+
 
 }  // namespace
 
-void lora_segments(torch::Tensor y, torch::Tensor x, torch::Tensor lora_a, torch::Tensor lora_b, torch::Tensor segments,
-                   std::vector<int64_t> slot_ranks, std::vector<int64_t> slice_offsets, std::vector<double> scales) {
-  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.is_contiguous() && y.is_contiguous() && x.size(0) == y.size(0),
-              "x [T, in] and y [T, out] must be contiguous with the same rows");
-  TORCH_CHECK(x.scalar_type() == y.scalar_type(), "x and y must share a dtype");
-  TORCH_CHECK(lora_a.scalar_type() == at::kFloat && lora_b.scalar_type() == at::kFloat, "adapter weights must be float32");
-  TORCH_CHECK(lora_a.dim() == 3 && lora_a.stride(2) == 1 && lora_a.size(2) == x.size(1), "lora_a must be [S, R, in], rows contiguous");
-  TORCH_CHECK(lora_b.dim() == 3 && lora_b.stride(1) == 1 && lora_b.size(1) == y.size(1) && lora_b.size(0) == lora_a.size(0),
-              "lora_b must be [S, out, R] with the output dimension contiguous");
-  TORCH_CHECK(segments.dim() == 2 && segments.size(1) == 3 && segments.scalar_type() == at::kLong && segments.is_contiguous(),
-              "segments must be int64 [n, 3] (start, length, slot)");
-  const int64_t num_slices = static_cast<int64_t>(slice_offsets.size()) - 1;
-  TORCH_CHECK(num_slices >= 1 && slice_offsets.front() == 0 && slice_offsets.back() == y.size(1),
-              "slice_offsets must run from 0 to y's width");
-  TORCH_CHECK(lora_a.size(1) == num_slices * lora_b.size(2), "lora_a rows must be num_slices * lora_b's rank");
-  const auto num_slots = static_cast<size_t>(lora_a.size(0));
-  TORCH_CHECK(num_slices <= kMaxSlices, "at most 8 slices");
-  TORCH_CHECK(slot_ranks.empty() || slot_ranks.size() == num_slots || slot_ranks.size() == num_slots * num_slices,
-              "slot_ranks: one per slot, one per slot and slice, or empty");
-  TORCH_CHECK(scales.empty() || scales.size() == num_slots, "scales: one per slot, or empty");
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "lora_segments", [&] {
-    lora_kernel<scalar_t>(y, x, lora_a, lora_b, segments, slot_ranks, slice_offsets, scales);
-  });
+void lora_segments(const LoraArgs& args, int64_t begin, int64_t end) {
+  dispatch_dtype(args.dtype, [&]<typename T>() { lora_kernel<T>(args, begin, end); });
 }
+
+}  // namespace cpu_ops

@@ -1,1 +1,2 @@
-"""Multi-adapter LoRA ops: batch metadata, the CPU path and the Triton SGMV/BGMV kernels."""
+"""Multi-adapter LoRA ops: per-backend step plans, the PyTorch path and the Triton SGMV/BGMV kernels
+(the compiled CPU op is in kernels/csrc/lora.cpp)."""

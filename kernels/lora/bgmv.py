@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from kernels import tuning
-from kernels.lora.meta import LoraBatchMeta
+from kernels.lora.plans import TritonLoraPlan
 from kernels.triton_utils import k_per_split, next_power_of_2, slice_offsets_tensor
 
 
@@ -73,20 +73,20 @@ def bgmv_expand_kernel(
 
 
 def bgmv_shrink(
-    x: torch.Tensor, lora_a: torch.Tensor, meta: LoraBatchMeta, split_k: int | None = None
+    x: torch.Tensor, lora_a: torch.Tensor, plan: TritonLoraPlan, split_k: int | None = None
 ) -> torch.Tensor:
     """v[t] = x[t] @ lora_a[s].T per token: x [T, hidden_in], lora_a [S, R_total, hidden_in] ->
     v [T, R_total] fp32, zero on tokens without an adapter. `split_k` None = by hidden_in."""
     num_tokens, hidden_in = x.shape
     rank_total = lora_a.shape[1]
     v = torch.zeros(num_tokens, rank_total, dtype=torch.float32, device=x.device)
-    if meta.num_active_tokens == 0:
+    if plan.num_active_tokens == 0:
         return v
     split_k = split_k or tuning.split_k_for(hidden_in)
     block_n = min(tuning.LORA_BLOCK_N, next_power_of_2(rank_total))
-    grid = (meta.num_active_tokens, triton.cdiv(rank_total, block_n), split_k)
+    grid = (plan.num_active_tokens, triton.cdiv(rank_total, block_n), split_k)
     bgmv_shrink_kernel[grid](
-        x, lora_a, v, meta.active_token_idx, meta.active_token_slots,
+        x, lora_a, v, plan.active_token_idx, plan.active_token_slots,
         hidden_in, rank_total, k_per_split(hidden_in, split_k, tuning.LORA_BLOCK_K),
         *x.stride(), *lora_a.stride(), *v.stride(),
         BLOCK_N=block_n, BLOCK_K=tuning.LORA_BLOCK_K, SPLIT_K=split_k,
@@ -98,20 +98,20 @@ def bgmv_expand(
     y: torch.Tensor,
     v: torch.Tensor,
     lora_b: torch.Tensor,
-    meta: LoraBatchMeta,
+    plan: TritonLoraPlan,
     scales: torch.Tensor | None = None,
     slice_offsets: torch.Tensor | Sequence[int] | None = None,
 ) -> None:
     """In place y[t, cols_i] += v[t, i*R:(i+1)*R] @ lora_b[s, cols_i].T * scales[s] per token.
 
     Shapes as `sgmv_expand`."""
-    if meta.num_active_tokens == 0:
+    if plan.num_active_tokens == 0:
         return
     offsets, max_width = slice_offsets_tensor(slice_offsets, y)
     max_rank = lora_b.shape[2]
-    grid = (meta.num_active_tokens, triton.cdiv(max_width, tuning.LORA_BLOCK_N), offsets.numel() - 1)
+    grid = (plan.num_active_tokens, triton.cdiv(max_width, tuning.LORA_BLOCK_N), offsets.numel() - 1)
     bgmv_expand_kernel[grid](
-        v, lora_b, y, meta.active_token_idx, meta.active_token_slots, offsets,
+        v, lora_b, y, plan.active_token_idx, plan.active_token_slots, offsets,
         scales if scales is not None else v, max_rank,
         *v.stride(), *lora_b.stride(), *y.stride(),
         BLOCK_N=tuning.LORA_BLOCK_N, BLOCK_R=next_power_of_2(max_rank), HAS_SCALES=scales is not None,

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from kernels import tuning
-from kernels.lora.meta import LoraBatchMeta
+from kernels.lora.plans import TritonLoraPlan
 from kernels.triton_utils import k_per_split, next_power_of_2, slice_offsets_tensor, upcast_dot_inputs
 
 
@@ -100,22 +100,22 @@ def sgmv_expand_kernel(
 
 
 def sgmv_shrink(
-    x: torch.Tensor, lora_a: torch.Tensor, meta: LoraBatchMeta, split_k: int | None = None
+    x: torch.Tensor, lora_a: torch.Tensor, plan: TritonLoraPlan, split_k: int | None = None
 ) -> torch.Tensor:
     """v = x @ lora_a[s].T per segment: x [T, hidden_in], lora_a [S, R_total, hidden_in] ->
     v [T, R_total] fp32, zero on tokens without an adapter. `split_k` None = by hidden_in."""
     num_tokens, hidden_in = x.shape
     rank_total = lora_a.shape[1]
     v = torch.zeros(num_tokens, rank_total, dtype=torch.float32, device=x.device)
-    if meta.num_segments == 0:
+    if plan.num_segments == 0:
         return v
     split_k = split_k or tuning.split_k_for(hidden_in)
     block_n = min(tuning.LORA_BLOCK_N, next_power_of_2(rank_total))
     num_n_tiles = triton.cdiv(rank_total, block_n)
-    num_m_tiles = triton.cdiv(meta.max_segment_len, tuning.SGMV_BLOCK_M)
-    grid = (meta.num_segments, num_m_tiles * num_n_tiles, split_k)
+    num_m_tiles = triton.cdiv(plan.max_segment_len, tuning.SGMV_BLOCK_M)
+    grid = (plan.num_segments, num_m_tiles * num_n_tiles, split_k)
     sgmv_shrink_kernel[grid](
-        x, lora_a, v, meta.segment_starts, meta.segment_lengths, meta.segment_slots,
+        x, lora_a, v, plan.segment_starts, plan.segment_lengths, plan.segment_slots,
         hidden_in, rank_total, k_per_split(hidden_in, split_k, tuning.LORA_BLOCK_K), num_n_tiles,
         *x.stride(), *lora_a.stride(), *v.stride(),
         BLOCK_M=tuning.SGMV_BLOCK_M, BLOCK_N=block_n, BLOCK_K=tuning.LORA_BLOCK_K,
@@ -128,7 +128,7 @@ def sgmv_expand(
     y: torch.Tensor,
     v: torch.Tensor,
     lora_b: torch.Tensor,
-    meta: LoraBatchMeta,
+    plan: TritonLoraPlan,
     scales: torch.Tensor | None = None,
     slice_offsets: torch.Tensor | Sequence[int] | None = None,
 ) -> None:
@@ -136,15 +136,15 @@ def sgmv_expand(
 
     y [T, total_out], v [T, R * num_slices] (from the shrink), lora_b [S, total_out, R],
     scales [S] fp32 on y's device or None, slice_offsets [num_slices + 1] ints or None."""
-    if meta.num_segments == 0:
+    if plan.num_segments == 0:
         return
     offsets, max_width = slice_offsets_tensor(slice_offsets, y)
     max_rank = lora_b.shape[2]
     num_n_tiles = triton.cdiv(max_width, tuning.LORA_BLOCK_N)
-    num_m_tiles = triton.cdiv(meta.max_segment_len, tuning.SGMV_BLOCK_M)
-    grid = (meta.num_segments, num_m_tiles * num_n_tiles, offsets.numel() - 1)
+    num_m_tiles = triton.cdiv(plan.max_segment_len, tuning.SGMV_BLOCK_M)
+    grid = (plan.num_segments, num_m_tiles * num_n_tiles, offsets.numel() - 1)
     sgmv_expand_kernel[grid](
-        v, lora_b, y, meta.segment_starts, meta.segment_lengths, meta.segment_slots, offsets,
+        v, lora_b, y, plan.segment_starts, plan.segment_lengths, plan.segment_slots, offsets,
         scales if scales is not None else v, max_rank, num_n_tiles,
         *v.stride(), *lora_b.stride(), *y.stride(),
         BLOCK_M=tuning.SGMV_BLOCK_M, BLOCK_N=tuning.LORA_BLOCK_N, BLOCK_R=next_power_of_2(max_rank),

@@ -9,7 +9,6 @@ of the cache alone.
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -69,8 +68,8 @@ class AdapterManager:
         self,
         config: AdapterConfig,
         base_shape: BaseModelShape,
-        dtype: torch.dtype,
-        device: str,
+        backend: kernels.Backend,
+        model_dtype: torch.dtype,
         sources: Mapping[str, SourceResolver] | None = None,
     ) -> None:
         self.config = config
@@ -84,7 +83,9 @@ class AdapterManager:
             loader=self._load, size_of=lambda weights: weights.num_bytes,
             max_bytes=config.host_cache_bytes, num_workers=config.num_loader_threads,
         )
-        self.pool = AdapterSlotPool(base_shape, config.num_slots, config.max_rank, dtype, device)
+        self.backend = backend
+        self.pool = AdapterSlotPool(base_shape, config.num_slots, config.max_rank,
+                                    backend.lora_weight_dtype(model_dtype), backend.device)
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # least recently used first
         self._futures: dict[str, Future[LoraWeights]] = {}
         self._chat_templates: dict[str, str] = {}  # key -> the adapter's own chat template
@@ -180,17 +181,12 @@ class AdapterManager:
         victim = next(key for key in self._slot_of if key not in keys)
         return self._slot_of.pop(victim)
 
-    def lora_batch(self, token_slots: torch.Tensor, active_slots: set[int]) -> LoraStep:
-        """The step's LoRA applier, for token_slots `[num_tokens]` (-1 = base model). Each projection
-        gets the slots' ranks within it, and projections that no active slot targets are skipped."""
-        meta = kernels.LoraBatchMeta.from_token_slots(token_slots, slot_ranks=self.pool.slot_ranks)
-        metas = {}
-        for projection, ranks in self.pool.projection_ranks.items():
-            if any(ranks[slot] for slot in active_slots):
-                metas[projection] = dataclasses.replace(
-                    meta, slot_ranks=tuple(ranks), slice_ranks=tuple(self.pool.slice_ranks[projection])
-                )
-        return LoraStep(self.pool, metas)
+    def lora_batch(self, token_slots: list[int], active_slots: set[int]) -> LoraStep:
+        """The step's LoRA applier, for token_slots `[num_tokens]` (-1 = base model). Projections
+        that no active slot targets are skipped; the others run at each slot's rank per slice."""
+        targeted = {projection for projection, ranks in self.pool.projection_ranks.items()
+                    if any(ranks[slot] for slot in active_slots)}
+        return LoraStep(self.pool, self.backend, self.backend.plan_lora(token_slots), targeted)
 
     def close(self) -> None:
         self.cache.close()
@@ -218,15 +214,17 @@ def read_chat_template(directory: Path) -> str | None:
 class LoraStep:
     """Implements `forward_batch.LoraBatch` for one step: adds each token's adapter delta."""
 
-    __slots__ = ("pool", "metas")
+    __slots__ = ("pool", "backend", "plan", "targeted")
 
-    def __init__(self, pool: AdapterSlotPool, metas: dict[str, kernels.LoraBatchMeta]) -> None:
+    def __init__(self, pool: AdapterSlotPool, backend: kernels.Backend, plan: object, targeted: set[str]) -> None:
         self.pool = pool
-        self.metas = metas  # projection -> batch metadata with that projection's slot ranks
+        self.backend = backend
+        self.plan = plan  # the backend's LoRA plan of the step
+        self.targeted = targeted  # projections some adapter of the step adapts
 
     def apply(self, layer_idx: int, projection: str, y: torch.Tensor, x: torch.Tensor) -> None:
-        meta = self.metas.get(projection)
-        if meta is None:
-            return  # no adapter of this step targets this projection
+        if projection not in self.targeted:
+            return
         lora_a, lora_b, slice_offsets = self.pool.layer(layer_idx, projection)
-        kernels.add_lora(y, x, lora_a, lora_b, meta, slice_offsets=slice_offsets)
+        self.backend.add_lora(y, x, lora_a, lora_b, self.plan, slice_offsets=slice_offsets,
+                              slice_ranks=self.pool.slice_ranks[projection])

@@ -3,7 +3,7 @@
 For every layer and fused projection (`qkv`, `o`, `gate_up`, `down`) the pool holds
     lora_a [num_slots, max_rank * num_slices, in_features]
     lora_b [num_slots, total_out_features, max_rank]
-laid out as `kernels.add_lora` reads them with `slice_offsets`: slice i (q, k, v or gate, up) uses
+laid out as the backends' `add_lora` reads them with `slice_offsets`: slice i (q, k, v or gate, up) uses
 rows i*max_rank:(i+1)*max_rank of lora_a, and its output columns slice_offsets[i]:slice_offsets[i+1]
 of lora_b. Ranks below max_rank are zero-padded and a module an adapter does not adapt stays zero,
 so padded parts add exactly nothing. The adapter's scale is folded into lora_b, so the kernels run
@@ -77,16 +77,12 @@ class AdapterSlotPool:
                 for name, layout in self.layouts.items()
             })
             # Stored [slots, rank, out] and used through its [slots, out, rank] view: the output
-            # dimension contiguous is the layout the compiled CPU LoRA op needs (kernels.add_lora).
+            # dimension contiguous is the layout the compiled CPU LoRA op needs.
             self._lora_b.append({
                 name: torch.zeros(num_slots, max_rank, layout.slice_offsets[-1],
                                   dtype=dtype, device=device).transpose(1, 2)
                 for name, layout in self.layouts.items()
             })
-        self._slice_offsets = {
-            name: torch.tensor(layout.slice_offsets, dtype=torch.int32, device=device)
-            for name, layout in self.layouts.items()
-        }
         self.slot_ranks: list[int] = [0] * num_slots  # 0: empty slot
         # Rank of each slot within each projection (0: the adapter does not touch it), so a step
         # skips the projections none of its adapters target.
@@ -96,14 +92,12 @@ class AdapterSlotPool:
             name: [0] * (num_slots * layout.num_slices) for name, layout in self.layouts.items()
         }
 
-    def layer(
-        self, layer_idx: int, projection: str
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(lora_a, lora_b, slice_offsets) of one layer's projection, for `kernels.add_lora`."""
+    def layer(self, layer_idx: int, projection: str) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+        """(lora_a, lora_b, slice_offsets) of one layer's projection, for the backend's `add_lora`."""
         return (
             self._lora_a[layer_idx][projection],
             self._lora_b[layer_idx][projection],
-            self._slice_offsets[projection],
+            self.layouts[projection].slice_offsets,
         )
 
     def load(self, slot_idx: int, weights: LoraWeights) -> None:

@@ -1,1 +1,1 @@
-"""Building blocks of the model: the linear projection and the rotary tables."""
+"""Building blocks of the model: the rotary tables (the projections are `kernels.linear`)."""

@@ -1,7 +1,9 @@
 """The Llama-family decoder (Llama, Mistral, Qwen2, SmolLM), over a paged KV cache.
 
 Weights are plain tensors: q/k/v fused into one projection and gate/up into another, so each layer
-runs four matmuls. The differences between architectures are in `architectures.ARCHITECTURES`.
+runs four matmuls, each laid out once for the backend's matmul (`Backend.linear`). Every op runs on
+the model's kernel backend, chosen once for its device. The differences between architectures are
+in `architectures.ARCHITECTURES`.
 """
 from __future__ import annotations
 
@@ -11,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from kernels.linear import LinearWeight
 from lora_runtime.forward_batch import ForwardBatch
-from lora_runtime.layers.linear import Linear
 from lora_runtime.layers.rotary import RotaryEmbedding
 from lora_runtime.models.architectures import ModelShape
 
@@ -20,11 +22,11 @@ from lora_runtime.models.architectures import ModelShape
 @dataclass(slots=True)
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: Linear  # [q_size + 2 * kv_size, hidden], bias for some architectures
-    o: Linear  # [hidden, q_size]
+    qkv: LinearWeight  # [q_size + 2 * kv_size, hidden], bias for some architectures
+    o: LinearWeight  # [hidden, q_size]
     post_attention_norm: torch.Tensor  # [hidden]
-    gate_up: Linear  # [2 * intermediate, hidden]
-    down: Linear  # [hidden, intermediate]
+    gate_up: LinearWeight  # [2 * intermediate, hidden]
+    down: LinearWeight  # [hidden, intermediate]
 
 
 @dataclass(slots=True)
@@ -32,7 +34,7 @@ class ModelWeights:
     embed_tokens: torch.Tensor  # [vocab, hidden]
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [hidden]
-    lm_head: Linear  # [vocab, hidden], the embedding itself when tied
+    lm_head: LinearWeight  # [vocab, hidden], the embedding itself when tied
 
 
 @dataclass(slots=True)
@@ -52,7 +54,8 @@ class KVCacheTensors:
 
 
 class LlamaModel:
-    def __init__(self, shape: ModelShape, weights: ModelWeights, rotary: RotaryEmbedding) -> None:
+    def __init__(self, shape: ModelShape, weights: ModelWeights, rotary: RotaryEmbedding, backend: kernels.Backend) -> None:
+        self.backend = backend
         self.shape = shape
         self.weights = weights
         self.rotary = rotary
@@ -65,19 +68,19 @@ class LlamaModel:
     def forward(self, batch: ForwardBatch, kv_cache: KVCacheTensors) -> torch.Tensor:
         """Run one step; returns logits `[num_logit_rows, vocab]` for `batch.logits_indices`, in the
         model's dtype (HF's bf16 logits are these same values; consumers widen to float32 where they
-        compute, which for greedy decoding is inside `kernels.max_logsumexp`).
+        compute, which for greedy decoding is inside the backend's `max_logsumexp`).
 
         The residual stream is kept apart from the normalised activations: each norm adds the
         sublayer's output into the residual in place and normalises the sum in one fused op."""
         eps = self.shape.rms_norm_eps
         layers = self.weights.layers
         residual = F.embedding(batch.input_ids, self.weights.embed_tokens)  # [num_tokens, hidden]
-        x = kernels.rms_norm(residual, layers[0].input_norm, eps)
+        x = self.backend.rms_norm(residual, layers[0].input_norm, eps)
         for layer_idx, layer in enumerate(layers):
             attended = self._attention(layer_idx, layer, x, batch, kv_cache)
-            x = kernels.rms_norm(attended, layer.post_attention_norm, eps, residual=residual)
+            x = self.backend.rms_norm(attended, layer.post_attention_norm, eps, residual=residual)
             next_norm = layers[layer_idx + 1].input_norm if layer_idx + 1 < len(layers) else self.weights.final_norm
-            x = kernels.rms_norm(self._mlp(layer_idx, layer, x, batch), next_norm, eps, residual=residual)
+            x = self.backend.rms_norm(self._mlp(layer_idx, layer, x, batch), next_norm, eps, residual=residual)
         return self.weights.lm_head(x.index_select(0, batch.logits_indices))
 
     def _attention(
@@ -86,18 +89,18 @@ class LlamaModel:
         shape = self.shape
         qkv = self._project(layer_idx, "qkv", x, layer.qkv, batch)
         key_cache, value_cache = kv_cache.key[layer_idx], kv_cache.value[layer_idx]
-        kernels.rotary_store_kv(qkv, batch.positions, self.rotary.cos, self.rotary.sin, key_cache, value_cache,
+        self.backend.rotary_store_kv(qkv, batch.positions, self.rotary.cos, self.rotary.sin, key_cache, value_cache,
                                 batch.slot_mapping, shape.num_heads, shape.num_kv_heads)
         q = qkv[:, : shape.q_size].unflatten(-1, (shape.num_heads, shape.head_dim))
-        attended = kernels.paged_attention(q, key_cache, value_cache, batch.attention, self.scale)
+        attended = self.backend.paged_attention(q, key_cache, value_cache, batch.attention, self.scale)
         return self._project(layer_idx, "o", attended.reshape(x.shape[0], shape.q_size), layer.o, batch)
 
     def _mlp(self, layer_idx: int, layer: LayerWeights, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         gate_up = self._project(layer_idx, "gate_up", x, layer.gate_up, batch)
-        return self._project(layer_idx, "down", kernels.silu_and_mul(gate_up), layer.down, batch)
+        return self._project(layer_idx, "down", self.backend.silu_and_mul(gate_up), layer.down, batch)
 
     @staticmethod
-    def _project(layer_idx: int, projection: str, x: torch.Tensor, linear: Linear, batch: ForwardBatch) -> torch.Tensor:
+    def _project(layer_idx: int, projection: str, x: torch.Tensor, linear: LinearWeight, batch: ForwardBatch) -> torch.Tensor:
         y = linear(x)
         if batch.lora is not None:
             batch.lora.apply(layer_idx, projection, y, x)

@@ -125,7 +125,7 @@ class Sampler:
         scores = apply_logits_chain(logits, settings)
         # Greedy for every row (sampled rows are replaced below), and the log-softmax normaliser of
         # each row for the chosen token's logprob, both in float32.
-        _, token_ids, log_normaliser = kernels.max_logsumexp(scores)
+        _, token_ids, log_normaliser = kernels.backend_for(scores.device).max_logsumexp(scores)
         sampled_rows = [i for i, state in enumerate(states) if state.is_sampling]
         if sampled_rows:
             token_ids = token_ids.cpu()

@@ -34,12 +34,20 @@ class Limits(BaseModel):
     max_best_of: int
 
 
+class Runtime(BaseModel):
+    """How the engine computes: its dtype (resolved when configured "auto") and kernel backend."""
+
+    dtype: str
+    kernel_backend: str  # "cpu/<instruction-set form>", "torch" or "triton"
+
+
 class Info(BaseModel):
     version: str
     tenant: str
     base_models: list[str]
     deployments: list[DeploymentInfo]
     limits: Limits
+    runtime: Runtime
 
 
 class Health(BaseModel):
@@ -75,8 +83,9 @@ async def info(request: Request) -> Info:
         max_stop_sequences=engine_limits.max_stop_sequences, max_best_of=engine_limits.max_best_of)
     deployments = [DeploymentInfo(name=d.name, base_model=d.base_model, shared=d.is_shared)
                    for d in visible_deployments(state.database, tenant)]
+    runtime = Runtime(dtype=state.engine.dtype_name, kernel_backend=state.engine.kernel_backend)
     return Info(version=_version(), tenant=tenant, base_models=[state.model_name],
-                deployments=deployments, limits=limits)
+                deployments=deployments, limits=limits, runtime=runtime)
 
 
 @router.get("/metrics", response_class=Response,

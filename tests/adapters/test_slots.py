@@ -1,12 +1,13 @@
 """The slot pool's stacked tensors, read by the LoRA kernels, reproduce each adapter's own update:
-for every token, `kernels.add_lora` over the pool equals x @ (b @ a * scale).T per module."""
+for every token, each CPU backend's `add_lora` (and the twin) over the pool equals
+x @ (b @ a * scale).T per module."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 import kernels
-from kernels import reference
+from kernels import cpu_ops, reference
 from lora_runtime.adapters import PROJECTION_SLICES, AdapterSlotPool, LoraModuleWeights, LoraWeights
 from lora_runtime.adapters.weights import BaseModelShape
 from lora_runtime.errors import AdapterIncompatibleError
@@ -40,7 +41,20 @@ def expected_delta(weights: LoraWeights | None, layer_idx: int, projection: str,
     return torch.cat(parts)
 
 
-@pytest.mark.parametrize("add_lora", [kernels.add_lora, reference.add_lora], ids=["dispatch", "reference"])
+BACKENDS = ("torch", "cpu") if cpu_ops.ops() is not None else ("torch",)
+
+
+def _backend_add_lora(name: str):
+    backend = kernels.backend_for("cpu", name)
+    return lambda y, x, lora_a, lora_b, slots, slice_offsets: backend.add_lora(
+        y, x, lora_a, lora_b, backend.plan_lora(slots), slice_offsets=slice_offsets)
+
+
+def _reference_add_lora(y, x, lora_a, lora_b, slots, slice_offsets):
+    reference.add_lora(y, x, lora_a, lora_b, slots, slice_offsets=slice_offsets)
+
+
+@pytest.mark.parametrize("add_lora", [*map(_backend_add_lora, BACKENDS), _reference_add_lora], ids=[*BACKENDS, "reference"])
 def test_pool_reproduces_each_adapters_delta(add_lora) -> None:
     shape = tiny_shape()
     adapters = [
@@ -54,16 +68,15 @@ def test_pool_reproduces_each_adapters_delta(add_lora) -> None:
     for slot_idx, weights in enumerate(adapters):
         pool.load(slot_idx, weights)
     assert pool.slot_ranks == [8, 3, 5, 0]
-    token_slots = torch.tensor([2, 2, -1, 0, 1, 1, 1, 3, 0])
-    meta = kernels.LoraBatchMeta.from_token_slots(token_slots)
+    token_slots = [2, 2, -1, 0, 1, 1, 1, 3, 0]
     slot_weights = [*adapters, None]
     for layer_idx in range(shape.num_layers):
         for projection, layout in pool.layouts.items():
             lora_a, lora_b, slice_offsets = pool.layer(layer_idx, projection)
             x = torch.randn(len(token_slots), layout.in_features)
             y = torch.zeros(len(token_slots), layout.slice_offsets[-1])
-            add_lora(y, x, lora_a, lora_b, meta, slice_offsets=slice_offsets)
-            for t, slot in enumerate(token_slots.tolist()):
+            add_lora(y, x, lora_a, lora_b, token_slots, slice_offsets)
+            for t, slot in enumerate(token_slots):
                 weights = slot_weights[slot] if slot >= 0 else None
                 want = expected_delta(weights, layer_idx, projection, x[t], shape)
                 torch.testing.assert_close(y[t], want, rtol=1e-4, atol=1e-4)

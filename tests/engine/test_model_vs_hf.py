@@ -1,12 +1,13 @@
 """Our Llama-family model against HF transformers' logits (fp32, atol 1e-4), for prefill, chunked
-prefill and decode steps over a paged cache with small scattered blocks, with the compiled CPU ops
-and with the PyTorch paths that serve where they cannot be built."""
+prefill and decode steps over a paged cache with small scattered blocks, on each CPU backend: the
+compiled CPU ops (in this CPU's best form) and the PyTorch backend that serves where they are missing."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import tuning
+import kernels
+from kernels import cpu_ops
 from lora_runtime.config import SchedulerConfig
 from lora_runtime.core import Request, SamplingParams
 from lora_runtime.kv_cache import KVCacheManager
@@ -23,9 +24,9 @@ def _hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
         return hf_model(torch.tensor([token_ids])).logits[0]  # [len, vocab]
 
 
-def _build(tmp_path, model_type: str, max_tokens_per_step: int):
+def _build(tmp_path, model_type: str, max_tokens_per_step: int, backend: str):
     hf_model = save_tiny_model(model_type, tmp_path)
-    model = load_model(tmp_path, "float32", "cpu")
+    model = load_model(tmp_path, "float32", "cpu", kernels.backend_for("cpu", backend))
     kv = KVCacheManager(num_blocks=40, block_size_tokens=4)
     # Take blocks out of order so block tables are scattered, not contiguous.
     kv.allocator.allocate(40)
@@ -36,12 +37,12 @@ def _build(tmp_path, model_type: str, max_tokens_per_step: int):
 
 @pytest.mark.parametrize("model_type", ["llama", "llama-tied", "qwen2", "mistral"])
 @pytest.mark.parametrize("max_tokens_per_step", [64, 5])
-@pytest.mark.parametrize("compiled_ops", [True, False], ids=["compiled-ops", "pytorch-ops"])
-def test_prefill_and_decode_logits_match_hf(
-    tmp_path, monkeypatch, model_type: str, max_tokens_per_step: int, compiled_ops: bool
-) -> None:
-    monkeypatch.setattr(tuning, "CPU_COMPILED_OPS", compiled_ops)
-    hf_model, scheduler, runner = _build(tmp_path, model_type, max_tokens_per_step)
+@pytest.mark.parametrize("backend", [
+    pytest.param("cpu", marks=pytest.mark.skipif(cpu_ops.ops() is None, reason="the compiled CPU ops are not installed")),
+    "torch",
+])
+def test_prefill_and_decode_logits_match_hf(tmp_path, model_type: str, max_tokens_per_step: int, backend: str) -> None:
+    hf_model, scheduler, runner = _build(tmp_path, model_type, max_tokens_per_step, backend)
     generator = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 97, (n,), generator=generator).tolist() for n in (11, 3, 7)]
     requests = [

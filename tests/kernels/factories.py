@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import PagedAttentionMeta
+from kernels import StepSequences
 
 
 def scattered_paged_batch(
@@ -15,25 +15,24 @@ def scattered_paged_batch(
     block_size: int,
     dtype: torch.dtype,
     generator: torch.Generator,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PagedAttentionMeta]:
-    """Random q and caches whose sequences own randomly scattered blocks; the unused block-table
-    entries hold garbage block ids. Returns (q [T, H, D], k_cache, v_cache, meta)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, StepSequences]:
+    """Random q and caches whose sequences own randomly scattered blocks; the block tables of some
+    sequences run past their last block with garbage ids (never to be read).
+    Returns (q [T, H, D], k_cache, v_cache, the step's sequences)."""
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + 3
     order = torch.randperm(num_blocks, generator=generator)
-    max_blocks = max(blocks_per_seq) + 2
-    tables = torch.randint(0, 10**6, (len(seq_lens), max_blocks), generator=generator, dtype=torch.int32)
-    used = 0
+    tables, used = [], 0
     for b, count in enumerate(blocks_per_seq):
-        tables[b, :count] = order[used : used + count].to(torch.int32)
+        garbage = torch.randint(0, 10**6, (b % 3,), generator=generator).tolist()
+        tables.append(order[used : used + count].tolist() + garbage)
         used += count
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=generator).to(dtype)
     v_cache = torch.randn(shape, generator=generator).to(dtype)
     q = torch.randn(sum(q_lens), num_heads, head_dim, generator=generator).to(dtype)
-    query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    meta = PagedAttentionMeta.build(query_start_loc, torch.tensor(seq_lens, dtype=torch.int32), tables, block_size)
-    return q, k_cache, v_cache, meta
+    query_start = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
+    return q, k_cache, v_cache, StepSequences(query_start, list(seq_lens), tables, block_size)
 
 
 def dense_causal_attention(
@@ -62,7 +61,9 @@ def lora_weights(
     generator: torch.Generator,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stacked lora_a [S, max_rank * num_slices, hidden_in], lora_b [S, total_out, max_rank] with slot
-    s's rank ranks[s] and the padding beyond it zero (as the adapter pool stores them)."""
+    s's rank ranks[s] and the padding beyond it zero (as the adapter pool stores them; lora_b is
+    stored [S, max_rank, total_out] and returned as that storage's [S, total_out, max_rank] view, the
+    pool's layout, which every backend takes)."""
     num_slices = len(slice_widths)
     lora_a = torch.zeros(num_slots, max_rank * num_slices, hidden_in)
     lora_b = torch.zeros(num_slots, sum(slice_widths), max_rank)
@@ -71,7 +72,7 @@ def lora_weights(
             rows = slice(i * max_rank, i * max_rank + rank)
             lora_a[slot, rows] = torch.randn(rank, hidden_in, generator=generator) / hidden_in**0.5
         lora_b[slot, :, :rank] = torch.randn(sum(slice_widths), rank, generator=generator) / rank**0.5
-    return lora_a.to(dtype), lora_b.to(dtype)
+    return lora_a.to(dtype), lora_b.to(dtype).transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def popularity_slots(pattern: str, num_tokens: int, num_slots: int, generator: torch.Generator) -> torch.Tensor:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
 from kernels import reference
+from kernels.attention.plans import TritonAttentionPlan
 from kernels.attention.triton_ops import paged_attention_triton
 from tests.kernels.factories import scattered_paged_batch
 
@@ -22,11 +22,11 @@ TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-2, torch.bfloat16: 3e-2}
         ([1, 5, 1, 3], [25, 5, 9, 20], (6, 2)),  # mixed decode, prefill and chunked prefill
     ],
 )
-def test_paged_attention_matches_twin(dtype, q_lens, seq_lens, heads) -> None:
+def test_paged_attention_matches_twin(triton_backend, dtype, q_lens, seq_lens, heads) -> None:
     gen = torch.Generator().manual_seed(sum(seq_lens))
-    q, k_cache, v_cache, meta = scattered_paged_batch(q_lens, seq_lens, *heads, 16, 8, dtype, gen)
-    out = kernels.paged_attention(q, k_cache, v_cache, meta, 0.25, backend="triton")
-    expected = reference.paged_attention(q, k_cache, v_cache, meta, 0.25)
+    q, k_cache, v_cache, step = scattered_paged_batch(q_lens, seq_lens, *heads, 16, 8, dtype, gen)
+    out = triton_backend.paged_attention(q, k_cache, v_cache, triton_backend.plan_attention(step), 0.25)
+    expected = reference.paged_attention(q, k_cache, v_cache, step, 0.25)
     torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
@@ -34,13 +34,14 @@ def test_paged_attention_matches_twin(dtype, q_lens, seq_lens, heads) -> None:
 def test_decode_split_kv_merges_partials(num_splits) -> None:
     """Contexts of very different lengths, so some splits of the short ones are empty."""
     gen = torch.Generator().manual_seed(9)
-    q, k_cache, v_cache, meta = scattered_paged_batch([1, 1], [3, 45], 4, 1, 16, 8, torch.float32, gen)
-    out = paged_attention_triton(q, k_cache, v_cache, meta, 0.5, num_splits=num_splits)
-    torch.testing.assert_close(out, reference.paged_attention(q, k_cache, v_cache, meta, 0.5), atol=1e-4, rtol=1e-4)
+    q, k_cache, v_cache, step = scattered_paged_batch([1, 1], [3, 45], 4, 1, 16, 8, torch.float32, gen)
+    plan = TritonAttentionPlan.build(step, q.device)
+    out = paged_attention_triton(q, k_cache, v_cache, plan, 0.5, num_splits=num_splits)
+    torch.testing.assert_close(out, reference.paged_attention(q, k_cache, v_cache, step, 0.5), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_store_kv_triton_matches_twin(dtype) -> None:
+def test_store_kv_triton_matches_twin(triton_backend, dtype) -> None:
     gen = torch.Generator().manual_seed(1)
     k_cache = torch.zeros(4, 8, 3, 16, dtype=dtype)
     v_cache = torch.zeros(4, 8, 3, 16, dtype=dtype)
@@ -49,15 +50,15 @@ def test_store_kv_triton_matches_twin(dtype) -> None:
     slot_mapping = torch.tensor([9, -1, 31, 0, 17])
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
     reference.store_kv(k, v, expected_k, expected_v, slot_mapping)
-    kernels.store_kv(k, v, k_cache, v_cache, slot_mapping, backend="triton")
+    triton_backend.store_kv(k, v, k_cache, v_cache, slot_mapping)
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
 
 
 @pytest.mark.slow
-def test_model_sized_decode_and_chunked_prefill() -> None:
+def test_model_sized_decode_and_chunked_prefill(triton_backend) -> None:
     """SmolLM2-135M's attention shape (9 query / 3 KV heads, head_dim 64, block 16), bf16."""
     gen = torch.Generator().manual_seed(2)
-    q, k_cache, v_cache, meta = scattered_paged_batch([1, 1, 20], [70, 150, 60], 9, 3, 64, 16, torch.bfloat16, gen)
-    out = kernels.paged_attention(q, k_cache, v_cache, meta, 0.125, backend="triton")
-    expected = reference.paged_attention(q, k_cache, v_cache, meta, 0.125)
+    q, k_cache, v_cache, step = scattered_paged_batch([1, 1, 20], [70, 150, 60], 9, 3, 64, 16, torch.bfloat16, gen)
+    out = triton_backend.paged_attention(q, k_cache, v_cache, triton_backend.plan_attention(step), 0.125)
+    expected = reference.paged_attention(q, k_cache, v_cache, step, 0.125)
     torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=3e-2)

@@ -10,6 +10,7 @@ import torch
 from peft import LoraConfig, PeftModel
 from transformers import AutoTokenizer
 
+import kernels
 from lora_runtime import Engine, EngineConfig
 from lora_runtime.config import AdapterConfig, SchedulerConfig
 from lora_runtime.embedded import ensure_embedded_model
@@ -64,4 +65,4 @@ def peft_models(hf_base, adapter_dirs) -> dict[str, PeftModel]:
 def make_engine(tiny_dir: Path, adapters: AdapterConfig = AdapterConfig(), scheduler: SchedulerConfig = SchedulerConfig()) -> Engine:
     config = EngineConfig(model=str(tiny_dir), dtype="float32", adapters=adapters, scheduler=scheduler)
     tokenizer = AutoTokenizer.from_pretrained(ensure_embedded_model())
-    return Engine(config, load_model(tiny_dir, "float32", "cpu"), tokenizer, TINY_NAME)
+    return Engine(config, load_model(tiny_dir, "float32", "cpu", kernels.backend_for("cpu")), tokenizer, TINY_NAME)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+import kernels
+
 # One worker per module under xdist: its live server is started once.
 pytestmark = pytest.mark.xdist_group("test_http_errors")
 
@@ -96,6 +98,8 @@ def test_health_needs_no_token_and_info_needs_one(live) -> None:
     names = {d["name"] for d in info["deployments"]}
     assert names == {live.model_name, "demo-private"}
     assert info["base_models"] == [live.model_name] and info["limits"]["max_in_flight"] == 4
+    backend = kernels.backend_for("cpu")
+    assert info["runtime"] == {"dtype": "float32", "kernel_backend": backend.label}  # the live server runs float32
 
 
 def test_a_tiny_temperature_is_not_a_server_error(live) -> None:

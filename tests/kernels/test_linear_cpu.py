@@ -1,5 +1,6 @@
 """The compiled bf16 matmuls (kernels/csrc/amx_linear.cpp, bf16_linear.cpp) against their twin
-`reference.linear`, each kernel this machine can run.
+`reference.linear`, each kernel in each instruction-set form that has it (avx512_bf16 in the
+avx512_bf16 and amx forms, amx in the amx form), and the CPU backend's choice of projection.
 
 Both accumulate bf16 products in float32 and round once; only the order of the float32 sums
 differs. So an element may differ from the twin's by the float32 summation error (bounded by
@@ -12,12 +13,21 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels.linear import KINDS, available_kinds, linear_packed, pack_linear_weight
+from kernels.linear import KINDS, CompiledLinear, PlainLinear, available_kinds, linear_packed, pack_linear_weight
 
-HERE = available_kinds()
-kinds_here = pytest.mark.parametrize(
-    "kind", [pytest.param(kind, marks=pytest.mark.skipif(kind not in HERE, reason=f"no {kind} on this machine")) for kind in KINDS]
-)
+from tests.kernels.conftest import use_form
+
+# (form, kind): each compiled matmul in each form that has it.
+FORM_KINDS = [("avx512_bf16", "avx512_bf16"), ("amx", "avx512_bf16"), ("amx", "amx")]
+kinds = pytest.mark.parametrize("form_kind", FORM_KINDS, ids=[f"{form}-{kind}" for form, kind in FORM_KINDS])
+
+
+@pytest.fixture
+def kind_in_form(request: pytest.FixtureRequest, form_kind: tuple[str, str]):
+    form, kind = form_kind
+    with use_form(request, form):
+        assert kind in available_kinds()
+        yield kind
 
 
 def _randn(*shape: int, seed: int) -> torch.Tensor:
@@ -33,12 +43,13 @@ def _tolerance(x: torch.Tensor, weight: torch.Tensor, expected: torch.Tensor) ->
     return step + summation
 
 
-@kinds_here
+@kinds
 @pytest.mark.parametrize("rows", [1, 7, 17, 32, 64, 100])
 @pytest.mark.parametrize(("in_features", "out_features"), [(576, 960), (64, 32), (1536, 576), (64, 80)])
-def test_compiled_linear_matches_reference(kind: str, rows: int, in_features: int, out_features: int) -> None:
+def test_compiled_linear_matches_reference(kind_in_form: str, rows: int, in_features: int, out_features: int) -> None:
     """Row counts that are and are not whole tiles; 80 output columns leave the AVX512-BF16 kernel
     a group of two column blocks (and are no whole AMX block: that kernel declines them)."""
+    kind = kind_in_form
     x, weight = _randn(rows, in_features, seed=rows), _randn(out_features, in_features, seed=in_features)
     packed = pack_linear_weight(weight, kind)
     if kind == "amx" and out_features % 32:
@@ -53,20 +64,20 @@ def test_compiled_linear_matches_reference(kind: str, rows: int, in_features: in
     assert (y == expected).float().mean() > 0.99  # nearly all elements to the bit
 
 
-@kinds_here
-def test_compiled_linear_reads_a_row_tile_past_the_first(kind: str) -> None:
+@kinds
+def test_compiled_linear_reads_a_row_tile_past_the_first(kind_in_form: str) -> None:
     """64 rows are several row tiles: each must see its own rows, the later ones from the cached weights."""
     x, weight = _randn(64, 64, seed=3), _randn(32, 64, seed=4)
     x[32:] = 0
-    y = linear_packed(x, pack_linear_weight(weight, kind))
+    y = linear_packed(x, pack_linear_weight(weight, kind_in_form))
     assert (y[32:] == 0).all() and (y[:32] != 0).any()
 
 
-@kinds_here
-def test_compiled_linear_splits_column_blocks_over_threads(kind: str) -> None:
+@kinds
+def test_compiled_linear_splits_column_blocks_over_threads(kind_in_form: str) -> None:
     """Each thread takes a run of column blocks (and, on AMX, configures its own tiles)."""
     x, weight = _randn(64, 576, seed=5), _randn(3072, 576, seed=6)
-    packed = pack_linear_weight(weight, kind)
+    packed = pack_linear_weight(weight, kind_in_form)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -77,8 +88,9 @@ def test_compiled_linear_splits_column_blocks_over_threads(kind: str) -> None:
         torch.set_num_threads(threads)
 
 
-@kinds_here
-def test_pack_declines_what_the_kernel_cannot_run(kind: str) -> None:
+@kinds
+def test_pack_declines_what_the_kernel_cannot_run(kind_in_form: str) -> None:
+    kind = kind_in_form
     # 48 output columns: three whole 16-column blocks, but no whole 32-column AMX block.
     assert (pack_linear_weight(_randn(48, 64, seed=0), kind) is None) == (kind == "amx")
     assert pack_linear_weight(_randn(40, 64, seed=0), kind) is None  # 40 output columns: no whole 16-column block
@@ -86,9 +98,23 @@ def test_pack_declines_what_the_kernel_cannot_run(kind: str) -> None:
     assert pack_linear_weight(_randn(64, 64, seed=0).float(), kind) is None  # float32
 
 
-def test_pack_declines_kernels_this_cpu_lacks() -> None:
+def test_pack_declines_kernels_the_form_lacks(compiled_form: str) -> None:
+    here = available_kinds()
     for kind in KINDS:
-        if kind not in HERE:
+        if kind not in here:
             assert pack_linear_weight(_randn(64, 64, seed=0), kind) is None
     default = pack_linear_weight(_randn(64, 64, seed=0))
-    assert (default is None) == (not HERE) and (default is None or default.kind == HERE[0])
+    assert (default is None) == (not here) and (default is None or default.kind == here[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backend_projections_match_the_reference(cpu_backend, dtype: torch.dtype) -> None:
+    """Whatever form the backend lays a weight out in, with or without a bias, it computes x @ W.T + b:
+    bf16 to one bf16 step of the float32 sum, float32 to float rounding."""
+    x, weight, bias = _randn(9, 64, seed=1).to(dtype), _randn(48, 64, seed=2).to(dtype), _randn(48, seed=3).to(dtype)
+    for b in (None, bias):
+        linear = cpu_backend.linear(weight, b)
+        expected = (x.float() @ weight.float().T + (0 if b is None else b.float())).to(dtype)
+        torch.testing.assert_close(linear(x), expected, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-2)
+    compiled = cpu_backend.name == "cpu" and dtype == torch.bfloat16 and available_kinds()
+    assert isinstance(cpu_backend.linear(weight), CompiledLinear if compiled else PlainLinear)

@@ -1,0 +1,101 @@
+"""The compiled CPU backend: the ops of `kernels/csrc/` in the best instruction-set form this CPU
+runs (`kernels.cpu_ops`), and the PyTorch backend's paths where an op does not apply (the prefills
+too long for the compiled attention, tensors it does not take)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import ModuleType
+
+import torch
+
+from kernels.attention.plans import CompiledAttentionPlan, StepSequences
+from kernels.attention.torch_ops import attend_prefill
+from kernels.backends.torch_backend import TorchBackend, _offsets
+from kernels.linear import CompiledLinear, pack_linear_weight
+from kernels.lora.plans import CompiledLoraPlan
+
+_COMPILED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class CompiledCPUBackend(TorchBackend):
+    name = "cpu"
+
+    def __init__(self, device: torch.device, ops: ModuleType) -> None:
+        super().__init__(device)
+        self.ops = ops
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}/{self.ops.active_form()}"
+
+    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        packed = pack_linear_weight(weight) if bias is None else None
+        return CompiledLinear(packed, weight) if packed is not None else super().linear(weight, bias)
+
+    def plan_attention(self, step: StepSequences) -> CompiledAttentionPlan:
+        return CompiledAttentionPlan.build(step, self.ops.has_vector_attention())
+
+    def paged_attention(self, q, k_cache, v_cache, plan: CompiledAttentionPlan, scale: float) -> torch.Tensor:
+        out = torch.empty_like(q)
+        if plan.compiled_seqs is not None:
+            self.ops.paged_attention(q, k_cache, v_cache, plan.block_tables, plan.seq_lens, plan.query_start,
+                                     plan.compiled_seqs, scale, out)
+        for prefill in plan.prefills:
+            attend_prefill(q, k_cache, v_cache, prefill, scale, out)
+        return out
+
+    def rotary_store_kv(self, qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads) -> None:
+        if _same_dtype(qkv, cos, sin, k_cache, v_cache):
+            self.ops.rotary_store_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
+        else:
+            super().rotary_store_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
+
+    def rms_norm(self, x, weight, eps: float, residual=None) -> torch.Tensor:
+        if not _rows_of_one_dtype(x, weight, *(() if residual is None else (residual,))):
+            return super().rms_norm(x, weight, eps, residual)
+        out = torch.empty_like(x)
+        if residual is None:
+            self.ops.rms_norm(out, x, weight, eps)
+        else:
+            self.ops.add_rms_norm(out, x, residual, weight, eps)
+        return out
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if not _rows_of_one_dtype(gate_up):
+            return super().silu_and_mul(gate_up)
+        out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+        self.ops.silu_and_mul(out, gate_up)
+        return out
+
+    def max_logsumexp(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not _rows_of_one_dtype(scores) or scores.shape[1] == 0:
+            return super().max_logsumexp(scores)
+        rows = scores.shape[0]
+        values, log_normaliser = torch.empty(rows, dtype=torch.float32), torch.empty(rows, dtype=torch.float32)
+        indices = torch.empty(rows, dtype=torch.int64)
+        self.ops.max_logsumexp(scores, values, indices, log_normaliser)
+        return values, indices, log_normaliser
+
+    def plan_lora(self, token_slots: list[int]) -> CompiledLoraPlan:
+        return CompiledLoraPlan.build(token_slots)
+
+    def add_lora(self, y, x, lora_a, lora_b, plan: CompiledLoraPlan, scales: Sequence[float] | None = None,
+                 slice_offsets: Sequence[int] | None = None, slice_ranks: Sequence[int] | None = None) -> None:
+        """Takes the weights as the engine's pool holds them on CPU: float32, lora_b's output dimension
+        contiguous (asserted: the pool is built for this backend by `lora_weight_dtype`)."""
+        assert lora_a.dtype == lora_b.dtype == torch.float32 and lora_b.stride(1) == 1, "the CPU pool's layout"
+        if plan.num_segments == 0:
+            return
+        ranks = list(slice_ranks) if slice_ranks is not None else []
+        self.ops.lora_segments(y, x.contiguous(), lora_a, lora_b, plan.segment_table, ranks,
+                               _offsets(slice_offsets, y), list(scales) if scales is not None else [])
+
+
+def _rows_of_one_dtype(first: torch.Tensor, *others: torch.Tensor) -> bool:
+    """The compiled per-row ops take contiguous CPU tensors of one float dtype."""
+    return (first.dtype in _COMPILED_DTYPES and first.is_contiguous()
+            and all(t.dtype == first.dtype and t.is_contiguous() for t in others))
+
+
+def _same_dtype(*tensors: torch.Tensor) -> bool:
+    return tensors[0].dtype in _COMPILED_DTYPES and all(t.dtype == tensors[0].dtype for t in tensors)

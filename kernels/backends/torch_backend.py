@@ -1,0 +1,74 @@
+"""The PyTorch backend: plain PyTorch ops, for CPUs without the compiled ops and for devices that
+are neither CUDA nor CPU. Each op is the fastest plain-PyTorch form we measured, not the reference:
+`kernels.reference` is the tests' oracle and is only called here where it is already that form
+(norms, SiLU-and-multiply, the rotary embedding)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kernels import reference
+from kernels.attention.plans import StepSequences, TorchAttentionPlan
+from kernels.attention.torch_ops import paged_attention_torch, store_kv_torch
+from kernels.linear import PlainLinear
+from kernels.lora.plans import TorchLoraPlan
+from kernels.lora.torch_ops import add_lora_torch
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    @property
+    def label(self) -> str:
+        """The backend's name, and where it has several kernel forms the one in use ("cpu/avx2")."""
+        return self.name
+
+    def lora_weight_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        # Tiny 16-bit matmuls cost 2-5x more than float32 ones on CPU (measured with the segment loop).
+        return torch.float32 if self.device.type == "cpu" else model_dtype
+
+    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        return PlainLinear(weight, bias)
+
+    def plan_attention(self, step: StepSequences) -> TorchAttentionPlan:
+        return TorchAttentionPlan.build(step)
+
+    def paged_attention(self, q, k_cache, v_cache, plan: TorchAttentionPlan, scale: float) -> torch.Tensor:
+        return paged_attention_torch(q, k_cache, v_cache, plan, scale)
+
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        store_kv_torch(k, v, k_cache, v_cache, slot_mapping)
+
+    def rotary_store_kv(self, qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads) -> None:
+        reference.rotate_qk(qkv, positions, cos, sin, num_heads, num_kv_heads)
+        _, k, v = reference.split_qkv(qkv, num_heads, num_kv_heads, cos.shape[1])
+        self.store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def rms_norm(self, x, weight, eps: float, residual=None) -> torch.Tensor:
+        return reference.rms_norm(x, weight, eps, residual)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return reference.silu_and_mul(gate_up)
+
+    def max_logsumexp(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        scores = scores.float()
+        values, indices = scores.max(dim=-1)
+        # Reusing the maxima: one exp-sum pass, about half the cost of a separate logsumexp.
+        return values, indices, values + (scores - values[:, None]).exp_().sum(dim=-1).log_()
+
+    def plan_lora(self, token_slots: list[int]) -> TorchLoraPlan:
+        return TorchLoraPlan.build(token_slots)
+
+    def add_lora(self, y, x, lora_a, lora_b, plan: TorchLoraPlan, scales: Sequence[float] | None = None,
+                 slice_offsets: Sequence[int] | None = None, slice_ranks: Sequence[int] | None = None) -> None:
+        add_lora_torch(y, x, lora_a, lora_b, plan, scales, _offsets(slice_offsets, y), slice_ranks)
+
+
+def _offsets(slice_offsets: Sequence[int] | None, y: torch.Tensor) -> list[int]:
+    offsets = [0, y.shape[1]] if slice_offsets is None else [int(o) for o in slice_offsets]
+    assert offsets[0] == 0 and offsets[-1] == y.shape[1], "slice_offsets must span y's columns"
+    return offsets

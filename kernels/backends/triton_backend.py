@@ -1,0 +1,51 @@
+"""The Triton backend: the SGMV/BGMV LoRA kernels and the paged-attention kernels on CUDA (or on CPU
+tensors under the Triton interpreter, `TRITON_INTERPRET=1`, which is how CI runs them), and the
+PyTorch backend's ops for the rest (cuBLAS matmuls, elementwise ops)."""
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+from kernels.attention.plans import StepSequences, TritonAttentionPlan
+from kernels.backends.torch_backend import TorchBackend, _offsets
+from kernels.lora.plans import TritonLoraPlan
+
+
+class TritonBackend(TorchBackend):
+    name = "triton"
+
+    def __init__(self, device: torch.device) -> None:
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            # Launched on CPU outside the interpreter Triton fails with "0 active drivers".
+            raise RuntimeError("the Triton backend on CPU tensors needs the Triton interpreter: set "
+                               "TRITON_INTERPRET=1 before kernels is imported")
+        super().__init__(device)
+
+    def lora_weight_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return model_dtype
+
+    def plan_attention(self, step: StepSequences) -> TritonAttentionPlan:
+        return TritonAttentionPlan.build(step, self.device)
+
+    def paged_attention(self, q, k_cache, v_cache, plan: TritonAttentionPlan, scale: float) -> torch.Tensor:
+        # Imported on first use: triton is an optional dependency of CPU-only installs.
+        from kernels.attention.triton_ops import paged_attention_triton
+
+        return paged_attention_triton(q, k_cache, v_cache, plan, scale)
+
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        from kernels.attention.triton_ops import store_kv_triton
+
+        store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+
+    def plan_lora(self, token_slots: list[int]) -> TritonLoraPlan:
+        return TritonLoraPlan.build(token_slots, self.device)
+
+    def add_lora(self, y, x, lora_a, lora_b, plan: TritonLoraPlan, scales: Sequence[float] | None = None,
+                 slice_offsets: Sequence[int] | None = None, slice_ranks: Sequence[int] | None = None) -> None:
+        """`slice_ranks` is not needed: the zero padding of the ranks is multiplied through."""
+        from kernels.lora.triton_ops import add_lora_triton
+
+        add_lora_triton(y, x, lora_a, lora_b, plan, scales, _offsets(slice_offsets, y))

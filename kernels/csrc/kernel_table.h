@@ -1,0 +1,142 @@
+// The interface between the Python bindings (bindings.cpp, compiled once, with PyTorch's headers) and
+// the kernels of one instruction-set form (compiled once per form, with that form's flags, into its
+// own shared library; no PyTorch headers). The bindings check tensors, split the work over PyTorch's
+// thread pool and call the active form's function on each range of tasks; a form's library exports
+// one symbol, `lora_serve_kernel_table`, returning its table.
+//
+// Every kernel takes plain pointers, sizes and strides (elements, not bytes) and a task range
+// [begin, end): rows, (sequence, KV head) pairs, segments or column groups, as each op documents.
+// Semantics of every op: kernels/reference.py.
+#pragma once
+#include <cstdint>
+
+namespace cpu_ops {
+
+// Bumped whenever a struct below or the table changes: a form library built from other sources is
+// refused by the bindings instead of being called with the wrong layout.
+constexpr int32_t kAbiVersion = 3;
+
+enum class DType : int32_t { f32 = 0, bf16 = 1, f16 = 2 };
+
+// Rows [begin, end) of x [rows, hidden]: out = weight * T(h * rsqrt(mean(h^2) + eps)) with h = x,
+// or, when residual is not null, residual = T(residual + x) first and h = that sum.
+struct NormArgs {
+  DType dtype;
+  const void* x;
+  void* residual;  // [rows, hidden] or null
+  const void* weight;  // [hidden]
+  void* out;  // [rows, hidden]
+  int64_t hidden;
+  float eps;
+};
+
+// Rows [begin, end): out [rows, width] = silu(gate) * up with gate_up [rows, 2 * width].
+struct SiluArgs {
+  DType dtype;
+  const void* gate_up;
+  void* out;
+  int64_t width;
+};
+
+// Tokens [begin, end) of qkv [tokens, (H + 2 * Hkv) * D]: rotary embedding of the q and k heads in
+// place, then the rotated keys and the values written to the caches [blocks, block_size, Hkv, D]
+// at slot_mapping[t] (negative: not stored).
+struct RotaryArgs {
+  DType dtype;
+  void* qkv;
+  int64_t row_stride;
+  const int64_t* positions;
+  const void* cos;  // [max_positions, D]
+  const void* sin;
+  void* k_cache;
+  void* v_cache;
+  const int64_t* slot_mapping;
+  int64_t num_heads, num_kv_heads, head_dim, block_size;
+};
+
+// Tasks [begin, end), task = sequence index into `seqs` * num_kv_heads + KV head: causal attention of
+// the sequence's new tokens over its paged context, every query head of that KV head.
+struct AttentionArgs {
+  DType dtype;
+  const void* q;  // [T, H, D], unit stride on D
+  const void* k_cache;  // [blocks, block_size, Hkv, D], contiguous
+  const void* v_cache;
+  void* out;  // [T, H, D], unit stride on D
+  const int32_t* block_tables;  // [B, max_blocks]
+  const int32_t* seq_lens;  // [B], new tokens included
+  const int32_t* query_start;  // [B + 1]
+  const int64_t* seqs;  // the sequences to attend
+  int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks;
+  int64_t q_row_stride, q_head_stride, out_row_stride, out_head_stride;
+  float scale;
+};
+
+// Rows [begin, end) of scores [rows, vocab]: the maximum, its first index and log(sum(exp(row))).
+struct MaxLogSumExpArgs {
+  DType dtype;
+  const void* scores;
+  int64_t vocab;
+  float* values;
+  int64_t* indices;
+  float* log_normaliser;
+};
+
+// Segments [begin, end) of `segments` [n, 3] (start, length, slot): for each token t of a segment of
+// slot s and each slice i, y[t, cols_i] += T((x[t] @ A[s, slice i, :rank].T) @ B[s, cols_i, :rank].T
+// * scale[s]). x and y share `dtype`; the weights are float32, B with its output dimension contiguous.
+struct LoraArgs {
+  DType dtype;
+  const void* x;  // [T, hidden_in], contiguous
+  void* y;  // [T, total_out], contiguous
+  const float* lora_a;  // [S, num_slices * max_rank, hidden_in], rows contiguous
+  const float* lora_b;  // [S, total_out, max_rank], output dimension contiguous
+  int64_t a_slot_stride, a_row_stride, b_slot_stride, b_rank_stride;
+  const int64_t* segments;
+  const int64_t* slice_ranks;  // [S * num_slices]: each slot's rank within each slice, or null: max_rank
+  const int64_t* slice_offsets;  // [num_slices + 1]
+  const double* scales;  // [S] or null: 1
+  int64_t hidden_in, total_out, num_slices, max_rank;
+};
+
+// Column groups [begin, end) of out [rows, n] = x [rows, k] @ W.T, bf16 in and out, float32 sums,
+// W packed by kernels.linear in this kernel's layout.
+struct LinearArgs {
+  const uint16_t* x;
+  const uint16_t* packed;
+  uint16_t* out;
+  int64_t rows, k, n;
+};
+
+// A compiled-in tuning constant (kernels/tuning.py's CPU_KERNEL_CONSTANTS, generated into the build).
+struct Constant {
+  const char* name;
+  int64_t value;
+};
+
+struct KernelTable {
+  int32_t abi_version;
+  const char* form;  // "generic", "avx2", "avx512", "avx512_bf16" or "amx"
+  const char* source_digest;  // of csrc/ and the tuning constants this library was built from
+  const Constant* constants;
+  int64_t num_constants;
+  bool vector_attention;  // attention has this form's vector kernel for head sizes 64 and 128
+  void (*rms_norm)(const NormArgs&, int64_t begin, int64_t end);
+  void (*silu_and_mul)(const SiluArgs&, int64_t begin, int64_t end);
+  void (*rotary_store_kv)(const RotaryArgs&, int64_t begin, int64_t end);
+  void (*paged_attention)(const AttentionArgs&, int64_t begin, int64_t end);
+  void (*max_logsumexp)(const MaxLogSumExpArgs&, int64_t begin, int64_t end);
+  void (*lora_segments)(const LoraArgs&, int64_t begin, int64_t end);
+  // Null where the form has no such matmul. Groups: `linear_groups(rows, n)` of each kernel.
+  void (*bf16_linear)(const LinearArgs&, int64_t begin, int64_t end);
+  int64_t (*bf16_linear_groups)(int64_t n);
+  // The AMX kernel: each task range configures and releases its own tiles (tile state is per thread).
+  void (*amx_linear)(const LinearArgs&, int64_t begin, int64_t end);
+  int64_t (*amx_linear_groups)(int64_t n);
+  // FLOP/s of `iterations` rounds of independent multiply-add chains of this form's widest
+  // instruction (the roofline's instruction peak), or 0 where it has no such probe.
+  double (*peak_flops)(const char* kind, int64_t iterations, double seed);
+};
+
+}  // namespace cpu_ops
+
+extern "C" const cpu_ops::KernelTable* lora_serve_kernel_table();

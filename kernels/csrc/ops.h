@@ -1,0 +1,33 @@
+// The kernels of one instruction-set form, as table.cpp collects them into the form's KernelTable.
+#pragma once
+#include "convert.h"
+#include "kernel_table.h"
+
+namespace cpu_ops {
+
+// Calls `body.template operator()<T>()` with T the C++ type of `dtype`.
+template <typename Body>
+inline void dispatch_dtype(DType dtype, Body&& body) {
+  switch (dtype) {
+    case DType::f32: body.template operator()<float>(); break;
+    case DType::bf16: body.template operator()<bf16>(); break;
+    case DType::f16: body.template operator()<f16>(); break;
+  }
+}
+
+void rms_norm(const NormArgs& args, int64_t begin, int64_t end);
+void silu_and_mul(const SiluArgs& args, int64_t begin, int64_t end);
+void rotary_store_kv(const RotaryArgs& args, int64_t begin, int64_t end);
+void paged_attention(const AttentionArgs& args, int64_t begin, int64_t end);
+void max_logsumexp(const MaxLogSumExpArgs& args, int64_t begin, int64_t end);
+void lora_segments(const LoraArgs& args, int64_t begin, int64_t end);
+
+// Present in the forms that have the instructions (null in the table elsewhere).
+void bf16_linear(const LinearArgs& args, int64_t begin, int64_t end);
+int64_t bf16_linear_groups(int64_t n);
+void amx_linear(const LinearArgs& args, int64_t begin, int64_t end);
+int64_t amx_linear_groups(int64_t n);
+bool attention_has_vector_form();
+double peak_flops(const char* kind, int64_t iterations, double seed);
+
+}  // namespace cpu_ops

@@ -1,0 +1,145 @@
+// One core's multiply-add peak, from loops that do nothing else: the roofline's "instruction peak"
+// (benchmarks/instruction_peak.py), the rate no implementation of the model's arithmetic can beat.
+// Each probe runs independent chains of the form's widest multiply-add, enough of them to hide the
+// instruction's latency, seeded at run time so the compiler can neither fold the chains nor merge them:
+//   f32_fma:  vfmadd on 256-bit (AVX2) or 512-bit (AVX-512) float32 vectors, 2 FLOPs per lane;
+//   bf16_dot: vdpbf16ps (AVX512-BF16), 64 FLOPs per instruction;
+//   amx_bf16: tdpbf16ps on 16x16 tiles (AMX), 16 * 16 * 32 * 2 FLOPs per instruction.
+#include <chrono>
+#include <cstring>
+
+#include "ops.h"
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace cpu_ops {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+
+#if defined(__AVX512F__)
+constexpr int kChains = 24;
+double fma_f32(int64_t iterations, double seed) {
+  __m512 acc[kChains];
+  for (int c = 0; c < kChains; ++c) acc[c] = _mm512_set1_ps(static_cast<float>(seed * (c + 1)));
+  const __m512 x = _mm512_set1_ps(static_cast<float>(seed)), y = _mm512_set1_ps(static_cast<float>(1e-3 * seed));
+  const auto start = Clock::now();
+  for (int64_t i = 0; i < iterations; ++i) {
+#pragma GCC unroll 24
+    for (int c = 0; c < kChains; ++c) acc[c] = _mm512_fmadd_ps(acc[c], x, y);
+  }
+  const double seconds = seconds_since(start);
+  __m512 sum = acc[0];
+  for (int c = 1; c < kChains; ++c) sum = _mm512_add_ps(sum, acc[c]);
+  volatile float sink = _mm512_reduce_add_ps(sum);  // the chains' results are used
+  (void)sink;
+  return static_cast<double>(iterations) * kChains * 32 / seconds;
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kChains = 12;  // of 16 vector registers, leaving room for the two operands
+double fma_f32(int64_t iterations, double seed) {
+  __m256 acc[kChains];
+  for (int c = 0; c < kChains; ++c) acc[c] = _mm256_set1_ps(static_cast<float>(seed * (c + 1)));
+  const __m256 x = _mm256_set1_ps(static_cast<float>(seed)), y = _mm256_set1_ps(static_cast<float>(1e-3 * seed));
+  const auto start = Clock::now();
+  for (int64_t i = 0; i < iterations; ++i) {
+#pragma GCC unroll 12
+    for (int c = 0; c < kChains; ++c) acc[c] = _mm256_fmadd_ps(acc[c], x, y);
+  }
+  const double seconds = seconds_since(start);
+  __m256 sum = acc[0];
+  for (int c = 1; c < kChains; ++c) sum = _mm256_add_ps(sum, acc[c]);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, sum);
+  volatile float sink = lanes[0];
+  (void)sink;
+  return static_cast<double>(iterations) * kChains * 16 / seconds;
+}
+#else
+double fma_f32(int64_t, double) { return 0.0; }
+#endif
+
+#if defined(__AVX512BF16__)
+double bf16_dot(int64_t iterations, double seed) {
+  __m512 acc[kChains];
+  for (int c = 0; c < kChains; ++c) acc[c] = _mm512_set1_ps(static_cast<float>(seed * (c + 1)));
+  const __m512bh x = (__m512bh)_mm512_set1_ps(static_cast<float>(seed));
+  const __m512bh y = (__m512bh)_mm512_set1_ps(static_cast<float>(1e-3 * seed));
+  const auto start = Clock::now();
+  for (int64_t i = 0; i < iterations; ++i) {
+#pragma GCC unroll 24
+    for (int c = 0; c < kChains; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], x, y);
+  }
+  const double seconds = seconds_since(start);
+  __m512 sum = acc[0];
+  for (int c = 1; c < kChains; ++c) sum = _mm512_add_ps(sum, acc[c]);
+  volatile float sink = _mm512_reduce_add_ps(sum);
+  (void)sink;
+  return static_cast<double>(iterations) * kChains * 64 / seconds;
+}
+#else
+double bf16_dot(int64_t, double) { return 0.0; }
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+struct alignas(64) ProbeTileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Four accumulator tiles (0-3) fed by two A tiles (4, 5) and two B tiles (6, 7): four independent
+// chains, as the AMX matmul's inner loop runs them.
+double amx_bf16(int64_t iterations, double seed) {
+  ProbeTileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.bytes_per_row[t] = 64;
+  }
+  _tile_loadconfig(&config);
+  alignas(64) uint16_t operand[16 * 32];
+  const uint16_t bits = float_to_bf16_bits(static_cast<float>(1e-3 * seed));
+  for (uint16_t& value : operand) value = bits;
+  _tile_loadd(4, operand, 64);
+  _tile_loadd(5, operand, 64);
+  _tile_loadd(6, operand, 64);
+  _tile_loadd(7, operand, 64);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const auto start = Clock::now();
+  for (int64_t i = 0; i < iterations; ++i) {
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  const double seconds = seconds_since(start);
+  alignas(64) float sink_tile[16 * 16];
+  _tile_stored(0, sink_tile, 64);
+  volatile float sink = sink_tile[0];
+  (void)sink;
+  _tile_release();
+  return static_cast<double>(iterations) * 4 * 16 * 16 * 32 * 2 / seconds;
+}
+#else
+double amx_bf16(int64_t, double) { return 0.0; }
+#endif
+
+}  // namespace
+
+double peak_flops(const char* kind, int64_t iterations, double seed) {
+  if (std::strcmp(kind, "f32_fma") == 0) return fma_f32(iterations, seed);
+  if (std::strcmp(kind, "bf16_dot") == 0) return bf16_dot(iterations, seed);
+  if (std::strcmp(kind, "amx_bf16") == 0) return amx_bf16(iterations, seed);
+  return 0.0;
+}
+
+}  // namespace cpu_ops

@@ -28,6 +28,7 @@ import torch
 from benchmarks.peft_baseline import make_random_adapters, run_peft
 from benchmarks.roofline import workload_floor
 from benchmarks.timing import Timer, peak_rss_mib
+from kernels import cpu_ops
 from lora_runtime import Engine, EngineConfig, SamplingParams
 from lora_runtime.config import SchedulerConfig
 from lora_runtime.embedded import default_cache_dir, ensure_embedded_model
@@ -100,6 +101,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtype", default="auto", help="our model's dtype (auto, float32, bfloat16); the baselines use the same")
+    parser.add_argument("--form", default=None,
+                        help="compiled CPU ops form to run (default: the best this CPU runs), e.g. avx2 to see an AVX2 machine's kernels")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--adapters", type=int, default=0, help="spread requests over N random adapters")
@@ -118,6 +121,13 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(args.threads)
+    if args.form is None:
+        return run(args)
+    with cpu_ops.using_form(args.form):
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> dict:
     model_dir = ensure_embedded_model()
     engine = Engine.from_config(EngineConfig(dtype=args.dtype, scheduler=SchedulerConfig(max_num_seqs=args.num_requests)))
     prompts = make_prompts(engine.tokenizer, args.num_requests)

@@ -15,7 +15,7 @@ from pathlib import Path
 CSRC = Path(__file__).resolve().with_name("csrc")
 
 # Sources of every form's library; bindings.cpp alone makes the Python extension `kernels._cpu_ops`.
-FORM_SOURCES = ("attention.cpp", "elementwise.cpp", "reductions.cpp", "lora.cpp", "bf16_linear.cpp",
+FORM_SOURCES = ("attention.cpp", "elementwise.cpp", "reductions.cpp", "lora.cpp", "linear.cpp",
                 "amx_linear.cpp", "peak.cpp", "table.cpp")
 BINDINGS_SOURCES = ("bindings.cpp",)
 
@@ -34,9 +34,13 @@ FORMS: dict[str, list[str]] = {
 X86_ONLY = ("avx2", "avx512", "avx512_bf16", "amx")
 
 # -fopenmp-simd: honour the `omp simd` loops (vectorised reductions) without OpenMP threading;
-# -fno-math-errno: lets sqrt vectorise (it never sets errno here); hidden visibility: a form's
-# library exports its kernel table and nothing else.
-COMMON_FLAGS = ["-std=c++20", "-O3", "-g0", "-fopenmp-simd", "-fno-math-errno", "-fvisibility=hidden"]
+# -fno-math-errno: lets sqrt vectorise (it never sets errno here); -fno-trapping-math: lets the
+# comparisons of the exponential's clamps (exp.h) become blends below AVX-512, which masks them
+# anyway: without it the AVX2 and generic forms left SiLU and max/logsumexp scalar, 4-8x slower
+# (nothing here reads floating-point exception flags; PyTorch builds with it too); hidden
+# visibility: a form's library exports its kernel table and nothing else.
+COMMON_FLAGS = ["-std=c++20", "-O3", "-g0", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
+                "-fvisibility=hidden"]
 
 
 def library_name(form: str) -> str:

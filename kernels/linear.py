@@ -2,13 +2,15 @@
 fastest matmul. `Backend.linear(weight, bias)` picks the form; each is a callable `x -> y`.
 
 - `PlainLinear`: `F.linear` (MKL/oneDNN on CPU, cuBLAS on CUDA), the public path.
-- `CompiledLinear`: a compiled bf16 matmul of the CPU ops (kernels/csrc/): `avx512_bf16` on
-  `vdpbf16ps` (AVX512-BF16 CPUs, every batch size: faster than oneDNN at all sizes measured) or `amx`
-  on AMX tiles (decode-sized batches; above `tuning.AMX_LINEAR_MAX_ROWS` oneDNN's prepacked matmul is
-  faster, and is the one place this library uses PyTorch's private `mkldnn` ops: measured 1.3-2x
-  faster than `F.linear` on the same bf16 tensors at 96-300 rows on the AMX machine).
-Semantics of the compiled matmuls: `x @ weight.T` accumulated in float32 and rounded to bf16 once
-(`kernels.reference.linear`)."""
+- `CompiledLinear`: a compiled matmul of the CPU ops (kernels/csrc/linear.cpp, amx_linear.cpp):
+  `f32` (`vfmadd` on AVX2 and AVX-512 forms: MKL's sgemm, which F.linear calls, runs on its AVX2 path
+  on AMD CPUs), `avx512_bf16` on `vdpbf16ps` (AVX512-BF16 CPUs, every batch size: faster than oneDNN
+  at all sizes measured) or `amx` on AMX tiles (decode-sized batches; above
+  `tuning.AMX_LINEAR_MAX_ROWS` oneDNN's prepacked matmul is faster, and is the one place this library
+  uses PyTorch's private `mkldnn` ops: measured 1.3-2x faster than `F.linear` on the same bf16
+  tensors at 96-300 rows on the AMX machine).
+Semantics of the compiled matmuls: `x @ weight.T` accumulated in float32 and rounded to x's dtype
+once (`kernels.reference.linear`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,8 +22,9 @@ from kernels import cpu_ops, tuning
 
 # Output columns per packed block, and the K multiple, of each kernel.
 _AMX_BLOCK = 32
-_AVX512_BF16_COLUMNS = 16
-KINDS = ("amx", "avx512_bf16")
+_BLOCK_COLUMNS = 16  # f32 and avx512_bf16
+KINDS = ("amx", "avx512_bf16", "f32")
+KIND_DTYPES = {"amx": torch.bfloat16, "avx512_bf16": torch.bfloat16, "f32": torch.float32}
 
 
 class PlainLinear:
@@ -49,7 +52,7 @@ class OneDNNLinear:
 
 @dataclass(frozen=True, slots=True)
 class PackedLinear:
-    """A bf16 weight `[out_features, in_features]` in the layout of one compiled kernel."""
+    """A weight `[out_features, in_features]` in the layout of one compiled kernel."""
 
     kind: str  # one of KINDS
     packed: torch.Tensor
@@ -77,18 +80,19 @@ LinearWeight = PlainLinear | OneDNNLinear | CompiledLinear  # each a callable x 
 
 
 def available_kinds() -> list[str]:
-    """The compiled matmuls of the active form of the CPU ops, fastest first."""
+    """The compiled matmuls of the active form of the CPU ops, fastest first (bf16 ones, then f32)."""
     ops = cpu_ops.ops()
     return list(ops.linear_kernels()) if ops is not None else []
 
 
 def pack_linear_weight(weight: torch.Tensor, kind: str | None = None) -> PackedLinear | None:
-    """`weight` in the layout of `kind` (default: the fastest kernel here), or None where that kernel
-    does not apply to it (no such kernel in this CPU's form, another dtype or device, dimensions)."""
+    """`weight` in the layout of `kind` (default: the fastest kernel here for its dtype), or None where
+    that kernel does not apply to it (no such kernel in this CPU's form, another dtype or device,
+    dimensions)."""
     out_features, in_features = weight.shape
-    kinds = available_kinds()
+    kinds = [k for k in available_kinds() if KIND_DTYPES[k] == weight.dtype]
     kind = kind or (kinds[0] if kinds else None)
-    if kind not in kinds or weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+    if kind not in kinds or weight.device.type != "cpu":
         return None
     if kind == "amx":
         if out_features % _AMX_BLOCK or in_features % _AMX_BLOCK:
@@ -98,17 +102,23 @@ def pack_linear_weight(weight: torch.Tensor, kind: str | None = None) -> PackedL
         # n = ((n_block * 2 + half) * 16 + column), k = (k_step * 16 + pair) * 2 + element
         tiles = weight.view(out_features // _AMX_BLOCK, 2, 16, in_features // _AMX_BLOCK, 16, 2)
         return PackedLinear(kind, tiles.permute(0, 3, 1, 4, 2, 5).contiguous(), out_features, tuning.AMX_LINEAR_MAX_ROWS)
-    if out_features % _AVX512_BF16_COLUMNS or in_features % 2:
+    if out_features % _BLOCK_COLUMNS:
+        return None
+    if kind == "f32":
+        # packed[N/16][K][16]: per block of 16 output columns, each k as one 64-byte row.
+        blocks = weight.view(out_features // _BLOCK_COLUMNS, _BLOCK_COLUMNS, in_features)
+        return PackedLinear(kind, blocks.permute(0, 2, 1).contiguous(), out_features, None)
+    if in_features % 2:
         return None
     # packed[N/16][K/2][16][2]: per block of 16 output columns, each pair of K as one 64-byte vector.
-    blocks = weight.view(out_features // _AVX512_BF16_COLUMNS, _AVX512_BF16_COLUMNS, in_features // 2, 2)
+    blocks = weight.view(out_features // _BLOCK_COLUMNS, _BLOCK_COLUMNS, in_features // 2, 2)
     return PackedLinear(kind, blocks.permute(0, 2, 1, 3).contiguous(), out_features, None)
 
 
 def linear_packed(x: torch.Tensor, weight: PackedLinear) -> torch.Tensor:
-    """x [M, K] bf16 @ the packed [N, K] weight's transpose -> [M, N] bf16."""
-    out = torch.empty(x.shape[0], weight.out_features, dtype=torch.bfloat16)
+    """x [M, K] @ the packed [N, K] weight's transpose -> [M, N], in the kernel's dtype."""
+    out = torch.empty(x.shape[0], weight.out_features, dtype=KIND_DTYPES[weight.kind])
     ops = cpu_ops.ops()
-    run = ops.amx_linear if weight.kind == "amx" else ops.bf16_linear
+    run = {"amx": ops.amx_linear, "avx512_bf16": ops.bf16_linear, "f32": ops.f32_linear}[weight.kind]
     run(out, x.contiguous(), weight.packed)
     return out

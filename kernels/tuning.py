@@ -18,12 +18,18 @@ CPU_KERNEL_CONSTANTS: dict[str, int] = {
     # (rank 16, 64 tokens over 8 adapters: chunks of 256 took 128 us against 179 us for chunks of 512).
     "lora_token_block": 8,
     "lora_column_chunk": 256,
-    # AVX512-BF16 matmul register tile: rows x (vectors of 16 columns) of float32 accumulators, 24 of
-    # the 32 registers. Measured on AMD Zen 5: 6x64 and 4x96 spilled registers and ran much slower,
-    # 12x32 slightly slower (`python -m benchmarks.kernels --quick --dtype bfloat16`). The kernel
-    # instantiates 1-8 rows and 1-3 vectors.
+    # Matmul register tiles (kernels/csrc/gemm_tiles.h): rows x blocks of 16 columns of float32
+    # accumulators; the kernels instantiate 1-8 rows and 1-3 blocks. A block is one zmm (AVX-512) or
+    # two ymm (AVX2) per row. AVX512-BF16 and AVX-512 fp32: 8 x 3 = 24 of the 32 zmm registers;
+    # measured on AMD Zen 5 (bf16), 6x64 and 4x96 spilled registers and ran much slower, 12x32
+    # slightly slower (`python -m benchmarks.kernels --quick --dtype bfloat16`). AVX2: 6 x 1 block =
+    # 12 of the 16 ymm registers, the shape of the classic AVX2 sgemm microkernel.
     "bf16_linear_tile_rows": 8,
-    "bf16_linear_tile_vectors": 3,
+    "bf16_linear_tile_blocks": 3,
+    "f32_linear_tile_rows_avx512": 8,
+    "f32_linear_tile_blocks_avx512": 3,
+    "f32_linear_tile_rows_avx2": 6,
+    "f32_linear_tile_blocks_avx2": 1,
 }
 
 # Prefills the compiled attention op takes: q_len * context_len at most this, per form. Its work

@@ -113,6 +113,7 @@ std::vector<std::string> linear_kernels() {
   std::vector<std::string> kinds;
   if (table().amx_linear) kinds.push_back("amx");
   if (table().bf16_linear) kinds.push_back("avx512_bf16");
+  if (table().f32_linear) kinds.push_back("f32");
   return kinds;
 }
 
@@ -257,28 +258,34 @@ void lora_segments(torch::Tensor y, torch::Tensor x, torch::Tensor lora_a, torch
   run_tasks(table().lora_segments, args, segments.size(0), 1);
 }
 
-void check_linear(const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& packed) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x must be contiguous bf16 [M, K]");
-  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kBFloat16 && out.size(0) == x.size(0),
-              "out must be contiguous bf16 [M, N]");
-  TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == at::kBFloat16 && packed.numel() == out.size(1) * x.size(1),
-              "packed must be the contiguous packed form of a bf16 [N, K] weight");
+void check_linear(const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& packed, at::ScalarType dtype) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == dtype, "x must be contiguous [M, K] of the kernel's dtype");
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == dtype && out.size(0) == x.size(0),
+              "out must be contiguous [M, N] of the kernel's dtype");
+  TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == dtype && packed.numel() == out.size(1) * x.size(1),
+              "packed must be the contiguous packed form of an [N, K] weight of the kernel's dtype");
 }
 
 cpu_ops::LinearArgs linear_args(const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& packed, int64_t rows) {
-  return {reinterpret_cast<const uint16_t*>(x.data_ptr()), reinterpret_cast<const uint16_t*>(packed.data_ptr()),
-          reinterpret_cast<uint16_t*>(out.data_ptr()), rows, x.size(1), out.size(1)};
+  return {x.data_ptr(), packed.data_ptr(), out.data_ptr(), rows, x.size(1), out.size(1)};
+}
+
+void f32_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed) {
+  check_linear(out, x, packed, at::kFloat);
+  TORCH_CHECK(out.size(1) % 16 == 0, "N must be a multiple of 16");
+  TORCH_CHECK(table().f32_linear != nullptr, "the active form has no float32 matmul");
+  run_tasks(table().f32_linear, linear_args(out, x, packed, x.size(0)), table().f32_linear_groups(out.size(1)), 1);
 }
 
 void bf16_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed) {
-  check_linear(out, x, packed);
+  check_linear(out, x, packed, at::kBFloat16);
   TORCH_CHECK(x.size(1) % 2 == 0 && out.size(1) % 16 == 0, "K must be even and N a multiple of 16");
   TORCH_CHECK(table().bf16_linear != nullptr, "the active form has no AVX512-BF16 matmul");
   run_tasks(table().bf16_linear, linear_args(out, x, packed, x.size(0)), table().bf16_linear_groups(out.size(1)), 1);
 }
 
 void amx_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed) {
-  check_linear(out, x, packed);
+  check_linear(out, x, packed, at::kBFloat16);
   TORCH_CHECK(x.size(1) % 32 == 0 && out.size(1) % 32 == 0, "K and N must be multiples of 32");
   TORCH_CHECK(table().amx_linear != nullptr, "the active form has no AMX matmul");
   const int64_t rows = x.size(0), padded_rows = (rows + 31) / 32 * 32;
@@ -312,6 +319,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention);
   m.def("max_logsumexp", &max_logsumexp);
   m.def("lora_segments", &lora_segments);
+  m.def("f32_linear", &f32_linear);
   m.def("bf16_linear", &bf16_linear);
   m.def("amx_linear", &amx_linear);
   m.def("peak_flops", &peak_flops);

@@ -52,12 +52,15 @@ void silu_rows(const SiluArgs& a, int64_t begin, int64_t end) {
   const int64_t width = a.width;
   const T* in = static_cast<const T*>(a.gate_up);
   T* out = static_cast<T*>(a.out);
-  std::vector<float> gate(width), up(width);
+  std::vector<float> gate(width), up(width), decay(width);
   for (int64_t r = begin; r < end; ++r) {
     to_float(in + r * 2 * width, gate.data(), width);
     to_float(in + r * 2 * width + width, up.data(), width);
+    // Two loops: in one, compilers split the division by the outcomes of the exponential's clamps.
 #pragma omp simd
-    for (int64_t i = 0; i < width; ++i) gate[i] = round_to<T>(gate[i] / (1.f + vector_exp(-gate[i]))) * up[i];
+    for (int64_t i = 0; i < width; ++i) decay[i] = vector_exp(-gate[i]);
+#pragma omp simd
+    for (int64_t i = 0; i < width; ++i) gate[i] = round_to<T>(gate[i] / (1.f + decay[i])) * up[i];
     from_float(gate.data(), out + r * width, width);
   }
 }

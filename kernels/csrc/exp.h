@@ -14,7 +14,7 @@ inline float vector_exp(float x) {
   // Comparisons rather than fmin/fmax, which do not vectorise (their NaN rule); NaN stays NaN.
   x = x < -87.3365447505531f ? -87.3365447505531f : x;
   x = x > 88.f ? 88.f : x;  // keeps 2^k finite
-  // Round to nearest by the 1.5 * 2^23 trick (floorf would not vectorise without -fno-trapping-math).
+  // Round to nearest by the 1.5 * 2^23 trick.
   const float k = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
   const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
   float p = 1.9875691500e-4f;

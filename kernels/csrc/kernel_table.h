@@ -14,7 +14,7 @@ namespace cpu_ops {
 
 // Bumped whenever a struct below or the table changes: a form library built from other sources is
 // refused by the bindings instead of being called with the wrong layout.
-constexpr int32_t kAbiVersion = 3;
+constexpr int32_t kAbiVersion = 4;
 
 enum class DType : int32_t { f32 = 0, bf16 = 1, f16 = 2 };
 
@@ -98,12 +98,12 @@ struct LoraArgs {
   int64_t hidden_in, total_out, num_slices, max_rank;
 };
 
-// Column groups [begin, end) of out [rows, n] = x [rows, k] @ W.T, bf16 in and out, float32 sums,
-// W packed by kernels.linear in this kernel's layout.
+// Column groups [begin, end) of out [rows, n] = x [rows, k] @ W.T, float32 sums rounded once to the
+// kernel's dtype (float32 or bf16 in and out), W packed by kernels.linear in the kernel's layout.
 struct LinearArgs {
-  const uint16_t* x;
-  const uint16_t* packed;
-  uint16_t* out;
+  const void* x;
+  const void* packed;
+  void* out;
   int64_t rows, k, n;
 };
 
@@ -126,7 +126,9 @@ struct KernelTable {
   void (*paged_attention)(const AttentionArgs&, int64_t begin, int64_t end);
   void (*max_logsumexp)(const MaxLogSumExpArgs&, int64_t begin, int64_t end);
   void (*lora_segments)(const LoraArgs&, int64_t begin, int64_t end);
-  // Null where the form has no such matmul. Groups: `linear_groups(rows, n)` of each kernel.
+  // Null where the form has no such matmul. Tasks: `*_groups(n)` column groups of each kernel.
+  void (*f32_linear)(const LinearArgs&, int64_t begin, int64_t end);
+  int64_t (*f32_linear_groups)(int64_t n);
   void (*bf16_linear)(const LinearArgs&, int64_t begin, int64_t end);
   int64_t (*bf16_linear_groups)(int64_t n);
   // The AMX kernel: each task range configures and releases its own tiles (tile state is per thread).

@@ -23,6 +23,8 @@ void max_logsumexp(const MaxLogSumExpArgs& args, int64_t begin, int64_t end);
 void lora_segments(const LoraArgs& args, int64_t begin, int64_t end);
 
 // Present in the forms that have the instructions (null in the table elsewhere).
+void f32_linear(const LinearArgs& args, int64_t begin, int64_t end);
+int64_t f32_linear_groups(int64_t n);
 void bf16_linear(const LinearArgs& args, int64_t begin, int64_t end);
 int64_t bf16_linear_groups(int64_t n);
 void amx_linear(const LinearArgs& args, int64_t begin, int64_t end);

@@ -24,6 +24,10 @@ cpu_ops::KernelTable make_table() {
   table.paged_attention = &cpu_ops::paged_attention;
   table.max_logsumexp = &cpu_ops::max_logsumexp;
   table.lora_segments = &cpu_ops::lora_segments;
+#if defined(__AVX2__) && defined(__FMA__)
+  table.f32_linear = &cpu_ops::f32_linear;
+  table.f32_linear_groups = &cpu_ops::f32_linear_groups;
+#endif
 #if defined(__AVX512BF16__)
   table.bf16_linear = &cpu_ops::bf16_linear;
   table.bf16_linear_groups = &cpu_ops::bf16_linear_groups;

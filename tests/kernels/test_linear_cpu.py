@@ -1,24 +1,25 @@
-"""The compiled bf16 matmuls (kernels/csrc/amx_linear.cpp, bf16_linear.cpp) against their twin
-`reference.linear`, each kernel in each instruction-set form that has it (avx512_bf16 in the
-avx512_bf16 and amx forms, amx in the amx form), and the CPU backend's choice of projection.
+"""The compiled matmuls (kernels/csrc/linear.cpp, amx_linear.cpp) against their twin `reference.linear`,
+each kernel in each instruction-set form that has it (f32 in the AVX2 and AVX-512 forms, avx512_bf16
+in the avx512_bf16 and amx forms, amx in the amx form), and the CPU backend's choice of projection.
 
-Both accumulate bf16 products in float32 and round once; only the order of the float32 sums
-differs. So an element may differ from the twin's by the float32 summation error (bounded by
-K * 2^-24 * sum |x_k w_k|, which matters where the sum cancels) plus one bf16 step where the two
-sums fall on either side of a rounding boundary, never more. Where a kernel does not apply (no such
-unit in this CPU, other dtypes, shapes it does not tile) the packing says so, which the last tests check."""
+They accumulate in float32 and round once; only the order of the float32 sums differs. So an element
+may differ from the twin's by the float32 summation error (bounded by K * 2^-24 * sum |x_k w_k|,
+which matters where the sum cancels) plus one step of the output dtype where the two sums fall on
+either side of a rounding boundary, never more. Where a kernel does not apply (no such unit in this
+CPU's form, other dtypes, shapes it does not tile) the packing says so, which the last tests check."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from kernels import reference
-from kernels.linear import KINDS, CompiledLinear, PlainLinear, available_kinds, linear_packed, pack_linear_weight
+from kernels.linear import KIND_DTYPES, KINDS, CompiledLinear, PlainLinear, available_kinds, linear_packed, pack_linear_weight
 
 from tests.kernels.conftest import use_form
 
 # (form, kind): each compiled matmul in each form that has it.
-FORM_KINDS = [("avx512_bf16", "avx512_bf16"), ("amx", "avx512_bf16"), ("amx", "amx")]
+FORM_KINDS = [("avx2", "f32"), ("avx512", "f32"), ("avx512_bf16", "f32"), ("avx512_bf16", "avx512_bf16"),
+              ("amx", "f32"), ("amx", "avx512_bf16"), ("amx", "amx")]
 kinds = pytest.mark.parametrize("form_kind", FORM_KINDS, ids=[f"{form}-{kind}" for form, kind in FORM_KINDS])
 
 
@@ -30,15 +31,16 @@ def kind_in_form(request: pytest.FixtureRequest, form_kind: tuple[str, str]):
         yield kind
 
 
-def _randn(*shape: int, seed: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+def _randn(*shape: int, seed: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
 def _tolerance(x: torch.Tensor, weight: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
-    """One bf16 step at each result's magnitude (8 significant bits), plus the float32 summation
-    error bound of a length-K dot product."""
+    """One step of the output dtype at each result's magnitude (8 significant bits for bf16, 24 for
+    float32), plus the float32 summation error bound of a length-K dot product."""
+    bits = 8 if expected.dtype == torch.bfloat16 else 24
     exponent = torch.frexp(expected.float().abs().clamp_min(1e-30)).exponent
-    step = torch.ldexp(torch.ones_like(expected, dtype=torch.float32), exponent - 8)
+    step = torch.ldexp(torch.ones_like(expected, dtype=torch.float32), exponent - bits)
     summation = x.shape[1] * 2.0**-24 * (x.float().abs() @ weight.float().abs().T)
     return step + summation
 
@@ -50,7 +52,8 @@ def test_compiled_linear_matches_reference(kind_in_form: str, rows: int, in_feat
     """Row counts that are and are not whole tiles; 80 output columns leave the AVX512-BF16 kernel
     a group of two column blocks (and are no whole AMX block: that kernel declines them)."""
     kind = kind_in_form
-    x, weight = _randn(rows, in_features, seed=rows), _randn(out_features, in_features, seed=in_features)
+    dtype = KIND_DTYPES[kind]
+    x, weight = _randn(rows, in_features, seed=rows, dtype=dtype), _randn(out_features, in_features, seed=in_features, dtype=dtype)
     packed = pack_linear_weight(weight, kind)
     if kind == "amx" and out_features % 32:
         assert packed is None
@@ -58,16 +61,18 @@ def test_compiled_linear_matches_reference(kind_in_form: str, rows: int, in_feat
     assert packed is not None and packed.kind == kind
     y = linear_packed(x, packed)
     expected = reference.linear(x, weight)
-    assert y.shape == expected.shape and y.dtype == torch.bfloat16
+    assert y.shape == expected.shape and y.dtype == dtype
     distance = (y.float() - expected.float()).abs()
     assert (distance <= _tolerance(x, weight, expected)).all()
-    assert (y == expected).float().mean() > 0.99  # nearly all elements to the bit
+    if dtype == torch.bfloat16:
+        assert (y == expected).float().mean() > 0.99  # nearly all elements to the bit
 
 
 @kinds
 def test_compiled_linear_reads_a_row_tile_past_the_first(kind_in_form: str) -> None:
     """64 rows are several row tiles: each must see its own rows, the later ones from the cached weights."""
-    x, weight = _randn(64, 64, seed=3), _randn(32, 64, seed=4)
+    dtype = KIND_DTYPES[kind_in_form]
+    x, weight = _randn(64, 64, seed=3, dtype=dtype), _randn(32, 64, seed=4, dtype=dtype)
     x[32:] = 0
     y = linear_packed(x, pack_linear_weight(weight, kind_in_form))
     assert (y[32:] == 0).all() and (y[:32] != 0).any()
@@ -76,7 +81,8 @@ def test_compiled_linear_reads_a_row_tile_past_the_first(kind_in_form: str) -> N
 @kinds
 def test_compiled_linear_splits_column_blocks_over_threads(kind_in_form: str) -> None:
     """Each thread takes a run of column blocks (and, on AMX, configures its own tiles)."""
-    x, weight = _randn(64, 576, seed=5), _randn(3072, 576, seed=6)
+    dtype = KIND_DTYPES[kind_in_form]
+    x, weight = _randn(64, 576, seed=5, dtype=dtype), _randn(3072, 576, seed=6, dtype=dtype)
     packed = pack_linear_weight(weight, kind_in_form)
     threads = torch.get_num_threads()
     try:
@@ -90,20 +96,23 @@ def test_compiled_linear_splits_column_blocks_over_threads(kind_in_form: str) ->
 
 @kinds
 def test_pack_declines_what_the_kernel_cannot_run(kind_in_form: str) -> None:
-    kind = kind_in_form
+    kind, dtype = kind_in_form, KIND_DTYPES[kind_in_form]
     # 48 output columns: three whole 16-column blocks, but no whole 32-column AMX block.
-    assert (pack_linear_weight(_randn(48, 64, seed=0), kind) is None) == (kind == "amx")
-    assert pack_linear_weight(_randn(40, 64, seed=0), kind) is None  # 40 output columns: no whole 16-column block
-    assert pack_linear_weight(_randn(64, 63, seed=0), kind) is None  # odd K: no whole pairs
-    assert pack_linear_weight(_randn(64, 64, seed=0).float(), kind) is None  # float32
+    assert (pack_linear_weight(_randn(48, 64, seed=0, dtype=dtype), kind) is None) == (kind == "amx")
+    assert pack_linear_weight(_randn(40, 64, seed=0, dtype=dtype), kind) is None  # 40 output columns: no whole 16-column block
+    # Odd K: no whole pairs for the bf16 kernels; the float32 one takes any K.
+    assert (pack_linear_weight(_randn(64, 63, seed=0, dtype=dtype), kind) is None) == (dtype == torch.bfloat16)
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    assert pack_linear_weight(_randn(64, 64, seed=0, dtype=other), kind) is None  # another dtype
 
 
-def test_pack_declines_kernels_the_form_lacks(compiled_form: str) -> None:
-    here = available_kinds()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pack_declines_kernels_the_form_lacks(compiled_form: str, dtype: torch.dtype) -> None:
+    here = [kind for kind in available_kinds() if KIND_DTYPES[kind] == dtype]
     for kind in KINDS:
         if kind not in here:
-            assert pack_linear_weight(_randn(64, 64, seed=0), kind) is None
-    default = pack_linear_weight(_randn(64, 64, seed=0))
+            assert pack_linear_weight(_randn(64, 64, seed=0, dtype=dtype), kind) is None
+    default = pack_linear_weight(_randn(64, 64, seed=0, dtype=dtype))
     assert (default is None) == (not here) and (default is None or default.kind == here[0])
 
 
@@ -116,5 +125,5 @@ def test_backend_projections_match_the_reference(cpu_backend, dtype: torch.dtype
         linear = cpu_backend.linear(weight, b)
         expected = (x.float() @ weight.float().T + (0 if b is None else b.float())).to(dtype)
         torch.testing.assert_close(linear(x), expected, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-2)
-    compiled = cpu_backend.name == "cpu" and dtype == torch.bfloat16 and available_kinds()
+    compiled = cpu_backend.name == "cpu" and any(KIND_DTYPES[kind] == dtype for kind in available_kinds())
     assert isinstance(cpu_backend.linear(weight), CompiledLinear if compiled else PlainLinear)

@@ -1,0 +1,126 @@
+// Register-tile microkernels of the compiled matmuls: an output tile of MR rows x NB blocks of 16
+// columns held in registers, computed over the whole K from a weight packed in blocks of 16 output
+// columns, and stored as float32 into `c` (the caller rounds or accumulates it). While a tile
+// computes, lines [first_line, end_line) of `upcoming` (the next column group's weights) are
+// requested, spread evenly over K, so that memory stays busy while the arithmetic runs.
+//
+// Packed layouts, per block of 16 output columns:
+//   float32: packed[n_block][k][16]               one k is one 64-byte row of the block
+//   bf16:    packed[n_block][k_pair][16][2]       one pair of k is one 64-byte vector (`vdpbf16ps`)
+// Forms: float32 on AVX-512 (zmm: MR x NB accumulators) and on AVX2 + FMA (ymm: MR x 2NB), bf16 on
+// AVX512-BF16. Which tile shapes each form uses is in kernels/tuning.py.
+#pragma once
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+namespace cpu_ops {
+
+constexpr int64_t kBlockColumns = 16;  // output columns per packed block
+
+// Requests `lines` lines over `steps` steps, `credit` carrying the remainder: integer steps, not a
+// division per step.
+struct Prefetcher {
+  const char* upcoming;
+  int64_t line, lines, steps, credit = 0;
+
+  inline void step() {
+    for (credit += lines; credit >= steps; credit -= steps) _mm_prefetch(upcoming + 64 * line++, _MM_HINT_T0);
+  }
+};
+
+#if defined(__AVX512F__)
+template <int MR, int NB>
+inline void f32_tile(const float* x, int64_t ldx, const float* b, int64_t b_block_stride, int64_t k, Prefetcher fetch,
+                     float* c, int64_t ldc) {
+  __m512 acc[MR][NB];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NB; ++v) acc[m][v] = _mm512_setzero_ps();
+  for (int64_t kk = 0; kk < k; ++kk) {
+    fetch.step();
+    __m512 weights[NB];
+    for (int v = 0; v < NB; ++v) weights[v] = _mm512_loadu_ps(b + v * b_block_stride + kk * kBlockColumns);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 a = _mm512_set1_ps(x[m * ldx + kk]);
+      for (int v = 0; v < NB; ++v) acc[m][v] = _mm512_fmadd_ps(a, weights[v], acc[m][v]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NB; ++v) _mm512_storeu_ps(c + m * ldc + 16 * v, acc[m][v]);
+}
+#else
+template <int MR, int NB>
+inline void f32_tile(const float* x, int64_t ldx, const float* b, int64_t b_block_stride, int64_t k, Prefetcher fetch,
+                     float* c, int64_t ldc) {
+  __m256 acc[MR][2 * NB];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < 2 * NB; ++v) acc[m][v] = _mm256_setzero_ps();
+  for (int64_t kk = 0; kk < k; ++kk) {
+    fetch.step();
+    __m256 weights[2 * NB];
+    for (int v = 0; v < 2 * NB; ++v) weights[v] = _mm256_loadu_ps(b + (v / 2) * b_block_stride + kk * kBlockColumns + 8 * (v % 2));
+    for (int m = 0; m < MR; ++m) {
+      const __m256 a = _mm256_broadcast_ss(x + m * ldx + kk);
+      for (int v = 0; v < 2 * NB; ++v) acc[m][v] = _mm256_fmadd_ps(a, weights[v], acc[m][v]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < 2 * NB; ++v) _mm256_storeu_ps(c + m * ldc + 8 * v, acc[m][v]);
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// x holds bf16 bits; k_pairs = K / 2.
+template <int MR, int NB>
+inline void bf16_tile(const uint16_t* x, int64_t ldx, const uint16_t* b, int64_t b_block_stride, int64_t k_pairs,
+                      Prefetcher fetch, float* c, int64_t ldc) {
+  __m512 acc[MR][NB];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NB; ++v) acc[m][v] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < k_pairs; ++kp) {
+    fetch.step();
+    __m512bh weights[NB];
+    for (int v = 0; v < NB; ++v) weights[v] = (__m512bh)_mm512_loadu_si512(b + v * b_block_stride + kp * 2 * kBlockColumns);
+    for (int m = 0; m < MR; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, x + m * ldx + 2 * kp, sizeof(pair));
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      for (int v = 0; v < NB; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], a, weights[v]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NB; ++v) _mm512_storeu_ps(c + m * ldc + 16 * v, acc[m][v]);
+}
+#endif
+
+// Calls `tile.template operator()<MR>()` with MR = rows (1..8): one instantiation per row count
+// keeps every accumulator of a partial tile in a register too.
+template <typename Tile>
+inline void with_rows(int rows, Tile&& tile) {
+  switch (rows) {
+    case 8: tile.template operator()<8>(); break;
+    case 7: tile.template operator()<7>(); break;
+    case 6: tile.template operator()<6>(); break;
+    case 5: tile.template operator()<5>(); break;
+    case 4: tile.template operator()<4>(); break;
+    case 3: tile.template operator()<3>(); break;
+    case 2: tile.template operator()<2>(); break;
+    default: tile.template operator()<1>(); break;
+  }
+}
+
+// Calls `group.template operator()<NB>()` with NB = blocks (1..3).
+template <typename Group>
+inline void with_blocks(int blocks, Group&& group) {
+  switch (blocks) {
+    case 3: group.template operator()<3>(); break;
+    case 2: group.template operator()<2>(); break;
+    default: group.template operator()<1>(); break;
+  }
+}
+
+}  // namespace cpu_ops
+
+#endif  // __AVX2__ && __FMA__

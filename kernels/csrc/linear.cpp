@@ -1,0 +1,112 @@
+// y = x @ W.T with the weight packed once for this form's microkernel (gemm_tiles.h):
+//   float32 on AVX2 + FMA and AVX-512 (`vfmadd`), bf16 on AVX512-BF16 (`vdpbf16ps`),
+// accumulated in float32 and rounded to the output's dtype once, as the reference (a float32 matmul
+// of the same inputs, rounded) does.
+//
+// Why not the matmul libraries: on the development CPU (AMD Zen 5, one thread) oneDNN's prepacked
+// bf16 matmul ran the SmolLM2 projections at 280-400 GFLOP/s for 16-96 rows with the weights out of
+// cache (a decode step's case), against an instruction peak of ~505; this kernel runs them at
+// 450-465. In float32, MKL's sgemm (what F.linear calls) takes its AVX2 path on AMD CPUs and ran them
+// at 85-110 GFLOP/s, a third of the AVX-512 FMA peak (271); figures in kernels/tuning.py.
+//
+// Column groups (kGroupBlocks blocks of 16 output columns) are the outer loop, the tasks of the
+// thread pool: a group's weights are read from memory once and from cache by its other row tiles,
+// and the next group's weights are requested while this one computes.
+#include <algorithm>
+#include <cstdint>
+
+#include "convert.h"
+#include "gemm_tiles.h"
+#include "lora_serve_tuning.h"
+#include "ops.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+
+namespace cpu_ops {
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int kF32Rows = tuning::kF32LinearTileRowsAvx512;
+constexpr int kF32Blocks = tuning::kF32LinearTileBlocksAvx512;
+#else
+constexpr int kF32Rows = tuning::kF32LinearTileRowsAvx2;
+constexpr int kF32Blocks = tuning::kF32LinearTileBlocksAvx2;
+#endif
+static_assert(kF32Rows >= 1 && kF32Rows <= 8 && kF32Blocks >= 1 && kF32Blocks <= 3, "tiles of 1-8 rows, 1-3 blocks");
+
+// The shared loop over column groups and row tiles; `tile(rows, blocks, x_rows, b_group, fetch, c)`
+// computes one tile into the float buffer c [kRows, kGroup * 16], `store(row, first_column, c_row,
+// width)` writes one row of it out.
+template <int kRows, int kGroup, typename Tile, typename Store>
+void for_each_tile(int64_t rows, int64_t n, int64_t block_bytes, int64_t begin, int64_t end, Tile tile, Store store) {
+  const int64_t blocks = n / kBlockColumns, row_tiles = (rows + kRows - 1) / kRows;
+  alignas(64) float c[kRows * kGroup * kBlockColumns];
+  constexpr int64_t ldc = kGroup * kBlockColumns;
+  for (int64_t group = begin; group < end; ++group) {
+    const int64_t first_block = group * kGroup, group_blocks = std::min<int64_t>(kGroup, blocks - first_block);
+    const int64_t next_blocks = group + 1 < end ? std::min<int64_t>(kGroup, blocks - first_block - group_blocks) : 0;
+    const int64_t upcoming_lines = next_blocks * block_bytes / 64;
+    for (int64_t rt = 0; rt < row_tiles; ++rt) {
+      const int tile_rows = static_cast<int>(std::min<int64_t>(kRows, rows - rt * kRows));
+      const int64_t first_line = rt * upcoming_lines / row_tiles, end_line = (rt + 1) * upcoming_lines / row_tiles;
+      tile(tile_rows, static_cast<int>(group_blocks), rt * kRows, first_block, first_line, end_line - first_line, c);
+      for (int r = 0; r < tile_rows; ++r) store(rt * kRows + r, first_block * kBlockColumns, c + r * ldc, group_blocks * kBlockColumns);
+    }
+  }
+}
+
+}  // namespace
+
+int64_t f32_linear_groups(int64_t n) { return (n / kBlockColumns + kF32Blocks - 1) / kF32Blocks; }
+
+void f32_linear(const LinearArgs& args, int64_t begin, int64_t end) {
+  const float* x = static_cast<const float*>(args.x);
+  const float* packed = static_cast<const float*>(args.packed);
+  float* out = static_cast<float*>(args.out);
+  const int64_t k = args.k, block_elements = k * kBlockColumns;
+  for_each_tile<kF32Rows, kF32Blocks>(
+      args.rows, args.n, block_elements * 4, begin, end,
+      [&](int rows, int blocks, int64_t first_row, int64_t first_block, int64_t first_line, int64_t lines, float* c) {
+        const float* b = packed + first_block * block_elements;
+        const Prefetcher fetch{reinterpret_cast<const char*>(b + blocks * block_elements), first_line, lines, k};
+        with_blocks(blocks, [&]<int NB>() {
+          with_rows(rows, [&]<int MR>() { f32_tile<MR, NB>(x + first_row * k, k, b, block_elements, k, fetch, c, kF32Blocks * kBlockColumns); });
+        });
+      },
+      [&](int64_t row, int64_t column, const float* c_row, int64_t width) { std::copy(c_row, c_row + width, out + row * args.n + column); });
+}
+
+#if defined(__AVX512BF16__)
+namespace {
+constexpr int kBf16Rows = tuning::kBf16LinearTileRows;
+constexpr int kBf16Blocks = tuning::kBf16LinearTileBlocks;
+static_assert(kBf16Rows >= 1 && kBf16Rows <= 8 && kBf16Blocks >= 1 && kBf16Blocks <= 3, "tiles of 1-8 rows, 1-3 blocks");
+}  // namespace
+
+int64_t bf16_linear_groups(int64_t n) { return (n / kBlockColumns + kBf16Blocks - 1) / kBf16Blocks; }
+
+void bf16_linear(const LinearArgs& args, int64_t begin, int64_t end) {
+  const uint16_t* x = static_cast<const uint16_t*>(args.x);
+  const uint16_t* packed = static_cast<const uint16_t*>(args.packed);
+  uint16_t* out = static_cast<uint16_t*>(args.out);
+  const int64_t k = args.k, block_elements = k * kBlockColumns;
+  for_each_tile<kBf16Rows, kBf16Blocks>(
+      args.rows, args.n, block_elements * 2, begin, end,
+      [&](int rows, int blocks, int64_t first_row, int64_t first_block, int64_t first_line, int64_t lines, float* c) {
+        const uint16_t* b = packed + first_block * block_elements;
+        const Prefetcher fetch{reinterpret_cast<const char*>(b + blocks * block_elements), first_line, lines, k / 2};
+        with_blocks(blocks, [&]<int NB>() {
+          with_rows(rows, [&]<int MR>() { bf16_tile<MR, NB>(x + first_row * k, k, b, block_elements, k / 2, fetch, c, kBf16Blocks * kBlockColumns); });
+        });
+      },
+      [&](int64_t row, int64_t column, const float* c_row, int64_t width) {
+        uint16_t* out_row = out + row * args.n + column;
+#pragma omp simd
+        for (int64_t col = 0; col < width; ++col) out_row[col] = float_to_bf16_bits(c_row[col]);
+      });
+}
+#endif  // __AVX512BF16__
+
+}  // namespace cpu_ops
+
+#endif  // __AVX2__ && __FMA__

@@ -35,6 +35,7 @@ import torch
 import kernels
 from kernels import cpu_ops
 from kernels.linear import available_kinds, linear_packed, pack_linear_weight
+from kernels.lora.layouts import LoraProjection
 
 LOG = logging.getLogger("benchmarks.kernels")
 RESULTS_DIR = Path(__file__).parent / "results"
@@ -131,27 +132,30 @@ def bench_lora_case(case: LoraCase, dtype: torch.dtype, backend: kernels.Backend
     slots = token_slots(case, gen).to(device)
     x = torch.randn(case.num_tokens, case.hidden_in, generator=gen).to(device, dtype)
     weight = torch.randn(case.out, case.hidden_in, generator=gen).to(device, dtype) / case.hidden_in**0.5
-    # The adapters as the engine's pool holds them: in the backend's LoRA dtype (fp32 on CPU), lora_b
-    # stored [S, R, out] and used as its [S, out, R] view.
-    weight_dtype = backend.lora_weight_dtype(dtype)
-    lora_a = torch.randn(case.num_adapters, case.rank, case.hidden_in, generator=gen).to(device, weight_dtype)
-    lora_b = torch.randn(case.num_adapters, case.rank, case.out, generator=gen).to(device, weight_dtype).transpose(1, 2)
-    scales = torch.full((case.num_adapters,), 0.5, device=device, dtype=weight_dtype)
+    # The adapters as the engine's pool holds them: in the backend's layout for the model's dtype.
+    projection = LoraProjection(case.hidden_in, (0, case.out))
+    layout = backend.lora_layout(dtype, [projection])
+    lora_a, lora_b = layout.allocate(case.num_adapters, case.rank, projection, device)
+    for slot in range(case.num_adapters):
+        layout.write(lora_a, lora_b, slot, 0, projection, torch.randn(case.rank, case.hidden_in, generator=gen),
+                     torch.randn(case.out, case.rank, generator=gen))
+    dense_a, dense_b = layout.dense(lora_a, lora_b, projection)
+    scales = torch.full((case.num_adapters,), 0.5, device=device)
     y = torch.zeros(case.num_tokens, case.out, device=device, dtype=dtype)
-    slot_list, scale_list = slots.tolist(), scales.tolist()
+    slot_list, scale_list, ranks = slots.tolist(), scales.tolist(), [case.rank] * case.num_adapters
     plan = backend.plan_lora(slot_list)
     linear = backend.linear(weight)
     fns = {
         "base": lambda: linear(x),
-        "ours": lambda: backend.add_lora(y, x, lora_a, lora_b, plan, scale_list),
+        "ours": lambda: backend.add_lora(y, x, lora_a, lora_b, plan, scale_list, slice_ranks=ranks),
         # Right after the base matmul, as in the model: its weights push the adapters' out of cache.
-        "base_then_ours": lambda: backend.add_lora(linear(x), x, lora_a, lora_b, plan, scale_list),
-        "adapter_loop": lambda: adapter_loop(y, x, lora_a, lora_b, slots, scales),
+        "base_then_ours": lambda: backend.add_lora(linear(x), x, lora_a, lora_b, plan, scale_list, slice_ranks=ranks),
+        "adapter_loop": lambda: adapter_loop(y, x, dense_a, dense_b, slots, scales),
         "plan_build": lambda: backend.plan_lora(slot_list),
     }
     gather_bytes = case.num_tokens * case.rank * (case.hidden_in + case.out) * x.element_size()
     if gather_bytes <= MAX_GATHER_BYTES:
-        fns["gather_bmm"] = lambda: gather_bmm(y, x, lora_a, lora_b, slots, scales)
+        fns["gather_bmm"] = lambda: gather_bmm(y, x, dense_a, dense_b, slots, scales)
     timings = timer(fns)
     row = dataclasses.asdict(case) | {"timings": timings}
     row.update({f"{name}_s": t["min"] for name, t in timings.items()})

@@ -13,13 +13,9 @@ CPU_KERNEL_CONSTANTS: dict[str, int] = {
     # Rows per task of the thread pool for the per-row ops (norms, SiLU, rotary): enough work per
     # task to amortise the pool's dispatch, few enough that 64 decode rows still split over threads.
     "rows_per_task": 16,
-    # LoRA op: tokens of a segment computed together, so each row of A and B is read from memory once
-    # per block; output columns per expand chunk, so the chunk of B and the block's deltas stay in L1
-    # (rank 16, 64 tokens over 8 adapters: chunks of 256 took 128 us against 179 us for chunks of 512).
-    "lora_token_block": 8,
-    "lora_column_chunk": 256,
-    # Matmul register tiles (kernels/csrc/gemm_tiles.h): rows x blocks of 16 columns of float32
-    # accumulators; the kernels instantiate 1-8 rows and 1-3 blocks. A block is one zmm (AVX-512) or
+    # Matmul register tiles (kernels/csrc/gemm_tiles.h), of the projections and of the LoRA op's shrink
+    # and expand: rows x blocks of 16 columns of float32 accumulators; the kernels instantiate 1-8
+    # rows and 1-3 blocks. A block is one zmm (AVX-512) or
     # two ymm (AVX2) per row. AVX512-BF16 and AVX-512 fp32: 8 x 3 = 24 of the 32 zmm registers;
     # measured on AMD Zen 5 (bf16), 6x64 and 4x96 spilled registers and ran much slower, 12x32
     # slightly slower (`python -m benchmarks.kernels --quick --dtype bfloat16`). AVX2: 6 x 1 block =
@@ -30,6 +26,9 @@ CPU_KERNEL_CONSTANTS: dict[str, int] = {
     "f32_linear_tile_blocks_avx512": 3,
     "f32_linear_tile_rows_avx2": 6,
     "f32_linear_tile_blocks_avx2": 1,
+    # The portable tiles (plain loops; the LoRA op's tiles in forms without the instructions).
+    "portable_tile_rows": 4,
+    "portable_tile_blocks": 1,
 }
 
 # Prefills the compiled attention op takes: q_len * context_len at most this, per form. Its work

@@ -12,7 +12,8 @@ from kernels.attention.plans import CompiledAttentionPlan, StepSequences
 from kernels.attention.torch_ops import attend_prefill
 from kernels.backends.torch_backend import TorchBackend, _offsets
 from kernels.linear import CompiledLinear, pack_linear_weight
-from kernels.lora.plans import CompiledLoraPlan
+from kernels.lora.layouts import LoraLayout, LoraProjection, TiledLoraLayout
+from kernels.lora.plans import CompiledLoraPlan, TorchLoraPlan
 
 _COMPILED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -27,6 +28,15 @@ class CompiledCPUBackend(TorchBackend):
     @property
     def label(self) -> str:
         return f"{self.name}/{self.ops.active_form()}"
+
+    def lora_layout(self, model_dtype: torch.dtype, projections: Sequence[LoraProjection]) -> LoraLayout:
+        """The compiled op's tiles: bf16 for a bf16 model (PEFT's own precision for it; half the bytes
+        to read per step), float32 otherwise; the PyTorch backend's where a projection's slices are
+        not whole blocks of 16 columns."""
+        dtype = torch.bfloat16 if model_dtype == torch.bfloat16 else torch.float32
+        if all(TiledLoraLayout.fits(projection, dtype) for projection in projections):
+            return TiledLoraLayout(dtype)
+        return super().lora_layout(model_dtype, projections)
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         packed = pack_linear_weight(weight) if bias is None else None
@@ -81,14 +91,18 @@ class CompiledCPUBackend(TorchBackend):
 
     def add_lora(self, y, x, lora_a, lora_b, plan: CompiledLoraPlan, scales: Sequence[float] | None = None,
                  slice_offsets: Sequence[int] | None = None, slice_ranks: Sequence[int] | None = None) -> None:
-        """Takes the weights as the engine's pool holds them on CPU: float32, lora_b's output dimension
-        contiguous (asserted: the pool is built for this backend by `lora_weight_dtype`)."""
-        assert lora_a.dtype == lora_b.dtype == torch.float32 and lora_b.stride(1) == 1, "the CPU pool's layout"
+        """Weights in this backend's `lora_layout`: the compiled op's tiles, or (where the tiles did not
+        fit the model) the dense layout, which the PyTorch loop runs."""
         if plan.num_segments == 0:
             return
-        ranks = list(slice_ranks) if slice_ranks is not None else []
-        self.ops.lora_segments(y, x.contiguous(), lora_a, lora_b, plan.segment_table, ranks,
-                               _offsets(slice_offsets, y), list(scales) if scales is not None else [])
+        offsets = _offsets(slice_offsets, y)
+        if lora_a.shape[-1] == x.shape[1]:  # dense rows of hidden_in; tiles hold hidden_in x 16
+            super().add_lora(y, x, lora_a, lora_b, TorchLoraPlan(plan.segments()), scales, offsets, slice_ranks)
+            return
+        num_slices = len(offsets) - 1
+        ranks = list(slice_ranks) if slice_ranks is not None else [lora_b.shape[2] // 16] * (lora_a.shape[0] * num_slices)
+        self.ops.lora_segments(y, x.contiguous(), lora_a, lora_b, plan.segment_table, ranks, offsets,
+                               list(scales) if scales is not None else [])
 
 
 def _rows_of_one_dtype(first: torch.Tensor, *others: torch.Tensor) -> bool:

@@ -12,6 +12,7 @@ from kernels import reference
 from kernels.attention.plans import StepSequences, TorchAttentionPlan
 from kernels.attention.torch_ops import paged_attention_torch, store_kv_torch
 from kernels.linear import PlainLinear
+from kernels.lora.layouts import DenseLoraLayout, LoraLayout, LoraProjection
 from kernels.lora.plans import TorchLoraPlan
 from kernels.lora.torch_ops import add_lora_torch
 
@@ -27,9 +28,9 @@ class TorchBackend:
         """The backend's name, and where it has several kernel forms the one in use ("cpu/avx2")."""
         return self.name
 
-    def lora_weight_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+    def lora_layout(self, model_dtype: torch.dtype, projections: Sequence[LoraProjection]) -> LoraLayout:
         # Tiny 16-bit matmuls cost 2-5x more than float32 ones on CPU (measured with the segment loop).
-        return torch.float32 if self.device.type == "cpu" else model_dtype
+        return DenseLoraLayout(torch.float32 if self.device.type == "cpu" else model_dtype)
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         return PlainLinear(weight, bias)

@@ -10,6 +10,7 @@ import torch
 
 from kernels.attention.plans import StepSequences, TritonAttentionPlan
 from kernels.backends.torch_backend import TorchBackend, _offsets
+from kernels.lora.layouts import DenseLoraLayout, LoraLayout, LoraProjection
 from kernels.lora.plans import TritonLoraPlan
 
 
@@ -23,8 +24,8 @@ class TritonBackend(TorchBackend):
                                "TRITON_INTERPRET=1 before kernels is imported")
         super().__init__(device)
 
-    def lora_weight_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        return model_dtype
+    def lora_layout(self, model_dtype: torch.dtype, projections: Sequence[LoraProjection]) -> LoraLayout:
+        return DenseLoraLayout(model_dtype)
 
     def plan_attention(self, step: StepSequences) -> TritonAttentionPlan:
         return TritonAttentionPlan.build(step, self.device)

@@ -232,29 +232,42 @@ void max_logsumexp(torch::Tensor scores, torch::Tensor values, torch::Tensor ind
   run_tasks(table().max_logsumexp, args, rows, 1);
 }
 
-void lora_segments(torch::Tensor y, torch::Tensor x, torch::Tensor lora_a, torch::Tensor lora_b, torch::Tensor segments,
+// a_tiles [S, num_slices * R / 16, hidden_in * 16] and b_tiles [S, total_out / 16, R * 16]: the tiled
+// layout of kernels/lora/layouts.py, float32 or bf16.
+void lora_segments(torch::Tensor y, torch::Tensor x, torch::Tensor a_tiles, torch::Tensor b_tiles, torch::Tensor segments,
                    std::vector<int64_t> slice_ranks, std::vector<int64_t> slice_offsets, std::vector<double> scales) {
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.is_contiguous() && y.is_contiguous() && x.size(0) == y.size(0),
               "x [T, in] and y [T, out] must be contiguous with the same rows");
   TORCH_CHECK(x.scalar_type() == y.scalar_type(), "x and y must share a dtype");
-  TORCH_CHECK(lora_a.scalar_type() == at::kFloat && lora_b.scalar_type() == at::kFloat, "adapter weights must be float32");
-  TORCH_CHECK(lora_a.dim() == 3 && lora_a.stride(2) == 1 && lora_a.size(2) == x.size(1), "lora_a must be [S, R, in], rows contiguous");
-  TORCH_CHECK(lora_b.dim() == 3 && lora_b.stride(1) == 1 && lora_b.size(1) == y.size(1) && lora_b.size(0) == lora_a.size(0),
-              "lora_b must be [S, out, R] with the output dimension contiguous");
+  TORCH_CHECK(a_tiles.dim() == 3 && b_tiles.dim() == 3 && a_tiles.is_contiguous() && b_tiles.is_contiguous() &&
+                  a_tiles.size(0) == b_tiles.size(0), "a_tiles and b_tiles: contiguous [S, blocks, block elements]");
+  const DType weight_dtype = dtype_of(a_tiles);
+  TORCH_CHECK(b_tiles.scalar_type() == a_tiles.scalar_type() && weight_dtype != DType::f16,
+              "the adapter tiles are float32 or bf16, both alike");
+  TORCH_CHECK(weight_dtype == DType::f32 || x.scalar_type() == at::kBFloat16, "bf16 adapter tiles take bf16 x and y");
+  const int64_t num_slices = static_cast<int64_t>(slice_offsets.size()) - 1, hidden_in = x.size(1);
+  TORCH_CHECK(num_slices >= 1 && slice_offsets.front() == 0 && slice_offsets.back() == y.size(1),
+              "slice_offsets must run from 0 to y's width");
+  for (int64_t offset : slice_offsets) TORCH_CHECK(offset % 16 == 0, "slice offsets must be multiples of 16");
+  TORCH_CHECK(a_tiles.size(2) == hidden_in * 16 && (weight_dtype == DType::f32 || hidden_in % 2 == 0),
+              "a_tiles blocks must hold hidden_in x 16 elements (hidden_in even for bf16)");
+  TORCH_CHECK((a_tiles.size(1) * 16) % num_slices == 0, "a_tiles must hold num_slices x max_rank rows");
+  const int64_t max_rank = a_tiles.size(1) * 16 / num_slices;
+  TORCH_CHECK(max_rank % 16 == 0 && b_tiles.size(1) * 16 == y.size(1) && b_tiles.size(2) == max_rank * 16,
+              "b_tiles must be [S, total_out / 16, max_rank * 16] with max_rank a multiple of 16");
   TORCH_CHECK(segments.dim() == 2 && segments.size(1) == 3 && segments.scalar_type() == at::kLong && segments.is_contiguous(),
               "segments must be int64 [n, 3] (start, length, slot)");
-  const int64_t num_slices = static_cast<int64_t>(slice_offsets.size()) - 1;
-  TORCH_CHECK(num_slices >= 1 && num_slices <= 8 && slice_offsets.front() == 0 && slice_offsets.back() == y.size(1),
-              "slice_offsets: 1 to 8 slices running from 0 to y's width");
-  TORCH_CHECK(lora_a.size(1) == num_slices * lora_b.size(2), "lora_a rows must be num_slices * lora_b's rank");
-  const auto num_slots = static_cast<size_t>(lora_a.size(0));
-  TORCH_CHECK(slice_ranks.empty() || slice_ranks.size() == num_slots * num_slices, "slice_ranks: one per slot and slice, or empty");
+  const auto num_slots = static_cast<size_t>(a_tiles.size(0));
+  TORCH_CHECK(slice_ranks.size() == num_slots * num_slices, "slice_ranks: one per slot and slice");
   TORCH_CHECK(scales.empty() || scales.size() == num_slots, "scales: one per slot, or empty");
-  const cpu_ops::LoraArgs args{dtype_of(x), x.data_ptr(), y.data_ptr(), lora_a.data_ptr<float>(), lora_b.data_ptr<float>(),
-                               lora_a.stride(0), lora_a.stride(1), lora_b.stride(0), lora_b.stride(2),
-                               segments.data_ptr<int64_t>(), slice_ranks.empty() ? nullptr : slice_ranks.data(),
-                               slice_offsets.data(), scales.empty() ? nullptr : scales.data(), x.size(1), y.size(1),
-                               num_slices, lora_b.size(2)};
+  const int64_t* segment = segments.data_ptr<int64_t>();
+  for (int64_t s = 0; s < segments.size(0); ++s, segment += 3)
+    TORCH_CHECK(segment[0] >= 0 && segment[1] >= 0 && segment[0] + segment[1] <= x.size(0) && segment[2] >= 0 &&
+                    segment[2] < a_tiles.size(0), "segment ", s, " lies outside the tokens or the slots");
+  const cpu_ops::LoraArgs args{dtype_of(x), weight_dtype, x.data_ptr(), y.data_ptr(), a_tiles.data_ptr(),
+                               b_tiles.data_ptr(), segments.data_ptr<int64_t>(), slice_ranks.data(),
+                               slice_offsets.data(), scales.empty() ? nullptr : scales.data(), hidden_in, y.size(1),
+                               num_slices, max_rank};
   run_tasks(table().lora_segments, args, segments.size(0), 1);
 }
 

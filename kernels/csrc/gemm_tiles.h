@@ -8,26 +8,49 @@
 //   float32: packed[n_block][k][16]               one k is one 64-byte row of the block
 //   bf16:    packed[n_block][k_pair][16][2]       one pair of k is one 64-byte vector (`vdpbf16ps`)
 // Forms: float32 on AVX-512 (zmm: MR x NB accumulators) and on AVX2 + FMA (ymm: MR x 2NB), bf16 on
-// AVX512-BF16. Which tile shapes each form uses is in kernels/tuning.py.
+// AVX512-BF16; every form has the portable tiles (plain loops the compiler vectorises as it can),
+// which the LoRA op uses where no intrinsic tile exists. Which tile shapes each form's matmuls use is
+// in kernels/tuning.py.
 #pragma once
 #include <cstdint>
 #include <cstring>
 
+#include "convert.h"
+#include "lora_serve_tuning.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#endif
 
 namespace cpu_ops {
 
 constexpr int64_t kBlockColumns = 16;  // output columns per packed block
 
-// Requests `lines` lines over `steps` steps, `credit` carrying the remainder: integer steps, not a
-// division per step.
+// This form's tile shapes (rows x blocks of 16 columns), from kernels/tuning.py.
+#if defined(__AVX512F__)
+constexpr int kF32TileRows = tuning::kF32LinearTileRowsAvx512, kF32TileBlocks = tuning::kF32LinearTileBlocksAvx512;
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kF32TileRows = tuning::kF32LinearTileRowsAvx2, kF32TileBlocks = tuning::kF32LinearTileBlocksAvx2;
+#else
+constexpr int kF32TileRows = tuning::kPortableTileRows, kF32TileBlocks = tuning::kPortableTileBlocks;
+#endif
+#if defined(__AVX512BF16__)
+constexpr int kBf16TileRows = tuning::kBf16LinearTileRows, kBf16TileBlocks = tuning::kBf16LinearTileBlocks;
+#else
+constexpr int kBf16TileRows = tuning::kPortableTileRows, kBf16TileBlocks = tuning::kPortableTileBlocks;
+#endif
+static_assert(kF32TileRows >= 1 && kF32TileRows <= 8 && kF32TileBlocks >= 1 && kF32TileBlocks <= 3 &&
+                  kBf16TileRows >= 1 && kBf16TileRows <= 8 && kBf16TileBlocks >= 1 && kBf16TileBlocks <= 3,
+              "the tiles instantiate 1-8 rows and 1-3 blocks");
+
+// Requests `lines` lines from `next` over `steps` steps, `credit` carrying the remainder: integer
+// steps, not a division per step. `lines` = 0: nothing to fetch.
 struct Prefetcher {
-  const char* upcoming;
-  int64_t line, lines, steps, credit = 0;
+  const char* next = nullptr;
+  int64_t lines = 0, steps = 1, credit = 0;
 
   inline void step() {
-    for (credit += lines; credit >= steps; credit -= steps) _mm_prefetch(upcoming + 64 * line++, _MM_HINT_T0);
+    for (credit += lines; credit >= steps; credit -= steps, next += 64) __builtin_prefetch(next, 0, 3);
   }
 };
 
@@ -50,7 +73,7 @@ inline void f32_tile(const float* x, int64_t ldx, const float* b, int64_t b_bloc
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < NB; ++v) _mm512_storeu_ps(c + m * ldc + 16 * v, acc[m][v]);
 }
-#else
+#elif defined(__AVX2__) && defined(__FMA__)
 template <int MR, int NB>
 inline void f32_tile(const float* x, int64_t ldx, const float* b, int64_t b_block_stride, int64_t k, Prefetcher fetch,
                      float* c, int64_t ldc) {
@@ -68,6 +91,24 @@ inline void f32_tile(const float* x, int64_t ldx, const float* b, int64_t b_bloc
   }
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < 2 * NB; ++v) _mm256_storeu_ps(c + m * ldc + 8 * v, acc[m][v]);
+}
+#else
+template <int MR, int NB>
+inline void f32_tile(const float* x, int64_t ldx, const float* b, int64_t b_block_stride, int64_t k, Prefetcher fetch,
+                     float* c, int64_t ldc) {
+  float acc[MR][NB * kBlockColumns] = {};
+  for (int64_t kk = 0; kk < k; ++kk) {
+    fetch.step();
+    for (int v = 0; v < NB; ++v) {
+      const float* w = b + v * b_block_stride + kk * kBlockColumns;
+      for (int m = 0; m < MR; ++m) {
+        const float a = x[m * ldx + kk];
+#pragma omp simd
+        for (int col = 0; col < kBlockColumns; ++col) acc[m][v * kBlockColumns + col] += a * w[col];
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) std::memcpy(c + m * ldc, acc[m], sizeof(acc[m]));
 }
 #endif
 
@@ -92,6 +133,27 @@ inline void bf16_tile(const uint16_t* x, int64_t ldx, const uint16_t* b, int64_t
   }
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < NB; ++v) _mm512_storeu_ps(c + m * ldc + 16 * v, acc[m][v]);
+}
+#else
+template <int MR, int NB>
+inline void bf16_tile(const uint16_t* x, int64_t ldx, const uint16_t* b, int64_t b_block_stride, int64_t k_pairs,
+                      Prefetcher fetch, float* c, int64_t ldc) {
+  float acc[MR][NB * kBlockColumns] = {};
+  float w[2 * kBlockColumns];
+  for (int64_t kp = 0; kp < k_pairs; ++kp) {
+    fetch.step();
+    for (int v = 0; v < NB; ++v) {
+      const uint16_t* pairs = b + v * b_block_stride + kp * 2 * kBlockColumns;
+#pragma omp simd
+      for (int e = 0; e < 2 * kBlockColumns; ++e) w[e] = bf16_bits_to_float(pairs[e]);
+      for (int m = 0; m < MR; ++m) {
+        const float a0 = bf16_bits_to_float(x[m * ldx + 2 * kp]), a1 = bf16_bits_to_float(x[m * ldx + 2 * kp + 1]);
+#pragma omp simd
+        for (int col = 0; col < kBlockColumns; ++col) acc[m][v * kBlockColumns + col] += a0 * w[2 * col] + a1 * w[2 * col + 1];
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) std::memcpy(c + m * ldc, acc[m], sizeof(acc[m]));
 }
 #endif
 
@@ -122,5 +184,3 @@ inline void with_blocks(int blocks, Group&& group) {
 }
 
 }  // namespace cpu_ops
-
-#endif  // __AVX2__ && __FMA__

@@ -14,7 +14,7 @@ namespace cpu_ops {
 
 // Bumped whenever a struct below or the table changes: a form library built from other sources is
 // refused by the bindings instead of being called with the wrong layout.
-constexpr int32_t kAbiVersion = 4;
+constexpr int32_t kAbiVersion = 5;
 
 enum class DType : int32_t { f32 = 0, bf16 = 1, f16 = 2 };
 
@@ -82,20 +82,22 @@ struct MaxLogSumExpArgs {
 };
 
 // Segments [begin, end) of `segments` [n, 3] (start, length, slot): for each token t of a segment of
-// slot s and each slice i, y[t, cols_i] += T((x[t] @ A[s, slice i, :rank].T) @ B[s, cols_i, :rank].T
-// * scale[s]). x and y share `dtype`; the weights are float32, B with its output dimension contiguous.
+// slot s and each slice i of a fused projection, with r = slice_ranks[s * num_slices + i],
+//   y[t, cols_i] += T(((x[t] @ A[s, i, :r].T) * scale[s]) @ B[s, cols_i, :r].T)
+// over weights in the tiled layout of kernels/lora/layouts.py (lora.cpp); float32 weights take any
+// x and y dtype, bf16 weights bf16 x and y.
 struct LoraArgs {
-  DType dtype;
+  DType dtype;  // of x and y
+  DType weight_dtype;  // f32 or bf16
   const void* x;  // [T, hidden_in], contiguous
   void* y;  // [T, total_out], contiguous
-  const float* lora_a;  // [S, num_slices * max_rank, hidden_in], rows contiguous
-  const float* lora_b;  // [S, total_out, max_rank], output dimension contiguous
-  int64_t a_slot_stride, a_row_stride, b_slot_stride, b_rank_stride;
+  const void* a_tiles;  // [S][num_slices * max_rank / 16][hidden_in][16]; bf16: [.][hidden_in / 2][16][2]
+  const void* b_tiles;  // [S][total_out / 16][max_rank][16]; bf16: [.][max_rank / 2][16][2]
   const int64_t* segments;
-  const int64_t* slice_ranks;  // [S * num_slices]: each slot's rank within each slice, or null: max_rank
-  const int64_t* slice_offsets;  // [num_slices + 1]
+  const int64_t* slice_ranks;  // [S * num_slices]
+  const int64_t* slice_offsets;  // [num_slices + 1], multiples of 16
   const double* scales;  // [S] or null: 1
-  int64_t hidden_in, total_out, num_slices, max_rank;
+  int64_t hidden_in, total_out, num_slices, max_rank;  // max_rank a multiple of 16
 };
 
 // Column groups [begin, end) of out [rows, n] = x [rows, k] @ W.T, float32 sums rounded once to the

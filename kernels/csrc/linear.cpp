@@ -17,7 +17,6 @@
 
 #include "convert.h"
 #include "gemm_tiles.h"
-#include "lora_serve_tuning.h"
 #include "ops.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -25,14 +24,8 @@
 namespace cpu_ops {
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int kF32Rows = tuning::kF32LinearTileRowsAvx512;
-constexpr int kF32Blocks = tuning::kF32LinearTileBlocksAvx512;
-#else
-constexpr int kF32Rows = tuning::kF32LinearTileRowsAvx2;
-constexpr int kF32Blocks = tuning::kF32LinearTileBlocksAvx2;
-#endif
-static_assert(kF32Rows >= 1 && kF32Rows <= 8 && kF32Blocks >= 1 && kF32Blocks <= 3, "tiles of 1-8 rows, 1-3 blocks");
+constexpr int kF32Rows = kF32TileRows;
+constexpr int kF32Blocks = kF32TileBlocks;
 
 // The shared loop over column groups and row tiles; `tile(rows, blocks, x_rows, b_group, fetch, c)`
 // computes one tile into the float buffer c [kRows, kGroup * 16], `store(row, first_column, c_row,
@@ -68,9 +61,11 @@ void f32_linear(const LinearArgs& args, int64_t begin, int64_t end) {
       args.rows, args.n, block_elements * 4, begin, end,
       [&](int rows, int blocks, int64_t first_row, int64_t first_block, int64_t first_line, int64_t lines, float* c) {
         const float* b = packed + first_block * block_elements;
-        const Prefetcher fetch{reinterpret_cast<const char*>(b + blocks * block_elements), first_line, lines, k};
+        const Prefetcher fetch{reinterpret_cast<const char*>(b + blocks * block_elements) + 64 * first_line, lines, k};
         with_blocks(blocks, [&]<int NB>() {
-          with_rows(rows, [&]<int MR>() { f32_tile<MR, NB>(x + first_row * k, k, b, block_elements, k, fetch, c, kF32Blocks * kBlockColumns); });
+          with_rows(rows, [&]<int MR>() {
+            f32_tile<MR, NB>(x + first_row * k, k, b, block_elements, k, fetch, c, kF32Blocks * kBlockColumns);
+          });
         });
       },
       [&](int64_t row, int64_t column, const float* c_row, int64_t width) { std::copy(c_row, c_row + width, out + row * args.n + column); });
@@ -78,9 +73,8 @@ void f32_linear(const LinearArgs& args, int64_t begin, int64_t end) {
 
 #if defined(__AVX512BF16__)
 namespace {
-constexpr int kBf16Rows = tuning::kBf16LinearTileRows;
-constexpr int kBf16Blocks = tuning::kBf16LinearTileBlocks;
-static_assert(kBf16Rows >= 1 && kBf16Rows <= 8 && kBf16Blocks >= 1 && kBf16Blocks <= 3, "tiles of 1-8 rows, 1-3 blocks");
+constexpr int kBf16Rows = kBf16TileRows;
+constexpr int kBf16Blocks = kBf16TileBlocks;
 }  // namespace
 
 int64_t bf16_linear_groups(int64_t n) { return (n / kBlockColumns + kBf16Blocks - 1) / kBf16Blocks; }
@@ -94,9 +88,11 @@ void bf16_linear(const LinearArgs& args, int64_t begin, int64_t end) {
       args.rows, args.n, block_elements * 2, begin, end,
       [&](int rows, int blocks, int64_t first_row, int64_t first_block, int64_t first_line, int64_t lines, float* c) {
         const uint16_t* b = packed + first_block * block_elements;
-        const Prefetcher fetch{reinterpret_cast<const char*>(b + blocks * block_elements), first_line, lines, k / 2};
+        const Prefetcher fetch{reinterpret_cast<const char*>(b + blocks * block_elements) + 64 * first_line, lines, k / 2};
         with_blocks(blocks, [&]<int NB>() {
-          with_rows(rows, [&]<int MR>() { bf16_tile<MR, NB>(x + first_row * k, k, b, block_elements, k / 2, fetch, c, kBf16Blocks * kBlockColumns); });
+          with_rows(rows, [&]<int MR>() {
+            bf16_tile<MR, NB>(x + first_row * k, k, b, block_elements, k / 2, fetch, c, kBf16Blocks * kBlockColumns);
+          });
         });
       },
       [&](int64_t row, int64_t column, const float* c_row, int64_t width) {

@@ -1,140 +1,171 @@
-// Multi-adapter LoRA on CPU, one run of tokens sharing an adapter slot (a segment) at a time
-// (segments [n, 3]: start, length, slot; scales per slot, or null = 1; slice_ranks per slot and
-// slice ([S * num_slices], so a slice an adapter does not target costs nothing), or null = the
-// padded max rank):
-//   y[t, cols_i] += T((x[t] @ A[s, slice i, :rank_i].T) @ B[s, cols_i, :rank_i].T * scale[s])
-// for every token t of a segment with slot s, slice i of a fused projection (kernels.reference.add_lora).
-// x and y are float32 or bfloat16, the adapter weights float32 (the engine keeps its CPU pool in
-// fp32: tiny bf16 matmuls cost more than fp32 ones here). B must have its output dimension
-// contiguous (the pool stores B as [slots, rank, out] and passes the [slots, out, rank] view), so
-// the expand is rank vector multiply-adds along each output row, with no horizontal sums.
-// Each segment's delta is formed in fp32 and added to y with one rounding, as the reference does.
+// Multi-adapter LoRA on CPU, one run of tokens sharing an adapter slot (a segment) at a time: for each
+// token t of a segment of slot s and each slice i of a fused projection (q/k/v, gate/up), with
+// r = slice_ranks[s * num_slices + i] (kernels.reference.add_lora):
+//   y[t, cols_i] += T(((x[t] @ A[s, i, :r].T) * scale[s]) @ B[s, cols_i, :r].T)
+// Both products are matmuls of the segment's rows on the register tiles of the projections' matmuls
+// (gemm_tiles.h), over weights kept in the tiled layout of kernels/lora/layouts.py:
+//   A: per slot, blocks of 16 rank rows, each [hidden_in][16] (bf16: [hidden_in / 2][16][2]);
+//   B: per slot, blocks of 16 output columns, each [max_rank][16] (bf16: [max_rank / 2][16][2]).
+// The shrink computes ceil(r / 16) blocks of A per slice, the expand r rank rows of B (rows past r are
+// zero), so an adapter costs its own rank, not the pool's max_rank. The delta is accumulated in float32
+// and added to y with one rounding, as the reference does. Weights are float32 (any x and y dtype)
+// or bf16 (bf16 x and y, the engine's bf16 model: `vdpbf16ps` on AVX512-BF16, widened elsewhere).
 #include <algorithm>
 #include <type_traits>
 #include <vector>
 
 #include "convert.h"
-#include "lora_serve_tuning.h"
+#include "gemm_tiles.h"
 #include "ops.h"
 
 namespace cpu_ops {
 namespace {
 
-// Tokens of a segment computed together, so each row of A and B is read from memory once per block;
-// output columns per expand chunk, so the chunk of B and the block's deltas stay in L1 (rank 16,
-// 64 tokens over 8 adapters: chunks of 256 took 128 us against 179 us for chunks of 512).
-constexpr int64_t kTokenBlock = tuning::kLoraTokenBlock;
-constexpr int64_t kColumnChunk = tuning::kLoraColumnChunk;
-constexpr int64_t kMaxSlices = 8;  // fused projections have 1 (o, down), 2 (gate/up) or 3 (q/k/v)
+// This form's register tile for the weights' type W (float, or bf16).
+template <typename W>
+constexpr int kRows = std::is_same_v<W, float> ? kF32TileRows : kBf16TileRows;
+template <typename W>
+constexpr int kGroup = std::is_same_v<W, float> ? kF32TileBlocks : kBf16TileBlocks;
+constexpr int kMaxRows = 8, kMaxGroup = 3;  // the scratch covers any tile
 
-template <typename T>
-void lora_kernel(const LoraArgs& args, int64_t begin, int64_t end) {
-  const int64_t hidden_in = args.hidden_in, total_out = args.total_out;
-  const int64_t num_slices = args.num_slices, max_rank = args.max_rank;
-  const int64_t a_row_stride = args.a_row_stride, b_rank_stride = args.b_rank_stride;
-  const int64_t* offsets = args.slice_offsets;
-  const T* x_ptr = static_cast<const T*>(args.x);
-  T* y_ptr = static_cast<T*>(args.y);
-  std::vector<float> x_rows(kTokenBlock * hidden_in), deltas(kTokenBlock * total_out), y_row(total_out);
-  std::vector<float> shrunk(kTokenBlock * num_slices * max_rank);
-  for (int64_t s = begin; s < end; ++s) {
-      const int64_t* segment = args.segments + 3 * s;  // start, length, slot
-      const int64_t start = segment[0], length = segment[1], slot = segment[2];
-      int64_t ranks[kMaxSlices];
-      for (int64_t i = 0; i < num_slices; ++i)
-        ranks[i] = args.slice_ranks ? std::min(args.slice_ranks[slot * num_slices + i], max_rank) : max_rank;
-      const float scale = args.scales ? static_cast<float>(args.scales[slot]) : 1.f;
-      const float* a_slot = args.lora_a + slot * args.a_slot_stride;
-      const float* b_slot = args.lora_b + slot * args.b_slot_stride;
-      for (int64_t first = start; first < start + length; first += kTokenBlock) {
-        const int64_t block = std::min(kTokenBlock, start + length - first);
-        for (int64_t t = 0; t < block; ++t) to_float(x_ptr + (first + t) * hidden_in, &x_rows[t * hidden_in], hidden_in);
-        // Shrink: each row of A against four tokens at a time (four independent sums per load of A).
-        for (int64_t i = 0; i < num_slices; ++i) {
-          for (int64_t r = 0; r < ranks[i]; ++r) {
-            const float* a_row = a_slot + (i * max_rank + r) * a_row_stride;
-            float* out = &shrunk[i * max_rank + r];
-            const int64_t out_stride = num_slices * max_rank;
-            int64_t t = 0;
-            for (; t + 4 <= block; t += 4) {
-              const float* x0 = &x_rows[t * hidden_in];
-              const float* x1 = x0 + hidden_in;
-              const float* x2 = x1 + hidden_in;
-              const float* x3 = x2 + hidden_in;
-              float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-              for (int64_t k = 0; k < hidden_in; ++k) {
-                const float a = a_row[k];
-                s0 += x0[k] * a;
-                s1 += x1[k] * a;
-                s2 += x2[k] * a;
-                s3 += x3[k] * a;
-              }
-              out[t * out_stride] = s0 * scale;
-              out[(t + 1) * out_stride] = s1 * scale;
-              out[(t + 2) * out_stride] = s2 * scale;
-              out[(t + 3) * out_stride] = s3 * scale;
-            }
-            for (; t < block; ++t) {
-              const float* x_row = &x_rows[t * hidden_in];
-              float total = 0.f;
-#pragma omp simd reduction(+ : total)
-              for (int64_t k = 0; k < hidden_in; ++k) total += x_row[k] * a_row[k];
-              out[t * out_stride] = total * scale;
-            }
-          }
-        }
-        // Expand: four rank rows at a time per pass over a token's delta (one load and store of
-        // the delta per four multiply-adds), by chunks of columns so the chunk of B serves every
-        // token of the block from L1.
-        std::fill(deltas.begin(), deltas.begin() + block * total_out, 0.f);
-        for (int64_t i = 0; i < num_slices; ++i) {
-          for (int64_t chunk = offsets[i]; chunk < offsets[i + 1]; chunk += kColumnChunk) {
-            const int64_t chunk_end = std::min(chunk + kColumnChunk, offsets[i + 1]);
-            for (int64_t t = 0; t < block; ++t) {
-              const float* w = &shrunk[(t * num_slices + i) * max_rank];
-              float* delta = &deltas[t * total_out];
-              int64_t r = 0;
-              const int64_t rank = ranks[i];
-              for (; r + 4 <= rank; r += 4) {
-                const float* b0 = b_slot + r * b_rank_stride;
-                const float* b1 = b0 + b_rank_stride;
-                const float* b2 = b1 + b_rank_stride;
-                const float* b3 = b2 + b_rank_stride;
-#pragma omp simd
-                for (int64_t c = chunk; c < chunk_end; ++c)
-                  delta[c] += w[r] * b0[c] + w[r + 1] * b1[c] + w[r + 2] * b2[c] + w[r + 3] * b3[c];
-              }
-              for (; r < rank; ++r) {
-                const float* b_row = b_slot + r * b_rank_stride;
-#pragma omp simd
-                for (int64_t c = chunk; c < chunk_end; ++c) delta[c] += w[r] * b_row[c];
-              }
-            }
-          }
-        }
-        for (int64_t t = 0; t < block; ++t) {
-          T* y_t = y_ptr + (first + t) * total_out;
-          const float* delta = &deltas[t * total_out];
-          if constexpr (std::is_same_v<T, float>) {
-#pragma omp simd
-            for (int64_t c = 0; c < total_out; ++c) y_t[c] += delta[c];
-          } else {
-            to_float(y_t, y_row.data(), total_out);
-#pragma omp simd
-            for (int64_t c = 0; c < total_out; ++c) y_row[c] += delta[c];
-            from_float(y_row.data(), y_t, total_out);
-          }
-        }
+// One tile of the shrink or expand: rows x (blocks * 16) of `b` into c [rows, blocks * 16] (ldc),
+// from x rows of `ldx` elements; `k` as the weight's element type counts it (pairs for bf16).
+template <typename W>
+void tile(int rows, int blocks, const W* x, int64_t ldx, const W* b, int64_t block_stride, int64_t k, float* c,
+          int64_t ldc) {
+  with_blocks(blocks, [&]<int NB>() {
+    with_rows(rows, [&]<int MR>() {
+      if constexpr (std::is_same_v<W, float>) {
+        f32_tile<MR, NB>(x, ldx, b, block_stride, k, Prefetcher{}, c, ldc);
+      } else {
+        bf16_tile<MR, NB>(reinterpret_cast<const uint16_t*>(x), ldx, reinterpret_cast<const uint16_t*>(b), block_stride,
+                          k, Prefetcher{}, c, ldc);
       }
+    });
+  });
+}
+
+// The shrink of one slice: shrunk [rows, r16] = x_rows @ A_slice.T, in groups of kGroup blocks.
+template <typename W>
+void shrink(int rows, const W* x, int64_t ldx, const W* a_slice, int64_t hidden_in, int64_t rank16, float* shrunk,
+            int64_t ld_shrunk) {
+  const int64_t block_stride = hidden_in * kBlockColumns;
+  const int64_t k = std::is_same_v<W, float> ? hidden_in : hidden_in / 2;
+  for (int64_t first = 0; first < rank16 / kBlockColumns; first += kGroup<W>) {
+    const int blocks = static_cast<int>(std::min<int64_t>(kGroup<W>, rank16 / kBlockColumns - first));
+    tile(rows, blocks, x, ldx, a_slice + first * block_stride, block_stride, k, shrunk + first * kBlockColumns, ld_shrunk);
   }
 }
 
+// y[rows, cols] += T(c), one rounding.
+template <typename T>
+void accumulate(T* y, int64_t ldy, int rows, const float* c, int64_t ldc, int64_t width) {
+  for (int r = 0; r < rows; ++r) {
+    T* y_row = y + r * ldy;
+    const float* c_row = c + r * ldc;
+#pragma omp simd
+    for (int64_t col = 0; col < width; ++col) y_row[col] = from_float_one<T>(to_float_one(y_row[col]) + c_row[col]);
+  }
+}
+
+// The expand of one slice over its columns [first_col, end_col): y += s_slice @ B_slice.T.
+template <typename T, typename W>
+void expand(int rows, const W* s, int64_t lds, const W* b_slot, int64_t max_rank, int64_t rank, int64_t first_col,
+            int64_t end_col, T* y, int64_t ldy, float* c) {
+  const int64_t block_stride = max_rank * kBlockColumns;
+  const int64_t k = std::is_same_v<W, float> ? rank : (rank + 1) / 2;  // B's rows past the rank are zero
+  constexpr int64_t ldc = kGroup<W> * kBlockColumns;
+  for (int64_t col = first_col; col < end_col; col += ldc) {
+    const int blocks = static_cast<int>(std::min<int64_t>(kGroup<W>, (end_col - col) / kBlockColumns));
+    tile(rows, blocks, s, lds, b_slot + (col / kBlockColumns) * block_stride, block_stride, k, c, ldc);
+    accumulate(y + col, ldy, rows, c, ldc, blocks * kBlockColumns);
+  }
+}
+
+// The segments of one call, with per-call scratch: x rows as W (converted where x is not W), the
+// shrunk rows (float, then as W for the expand) and one output tile.
+template <typename T, typename W>
+struct SegmentRunner {
+  const LoraArgs& args;
+  const W* a_tiles = static_cast<const W*>(args.a_tiles);
+  const W* b_tiles = static_cast<const W*>(args.b_tiles);
+  int64_t a_slot_stride = args.num_slices * args.max_rank * args.hidden_in;
+  int64_t b_slot_stride = args.total_out * args.max_rank;
+  int64_t ld_shrunk = args.num_slices * args.max_rank;
+  std::vector<W> x_rows = std::vector<W>(kMaxRows * args.hidden_in);
+  std::vector<float> shrunk = std::vector<float>(kMaxRows * ld_shrunk);
+  std::vector<W> shrunk_w = std::vector<W>(std::is_same_v<W, float> ? 0 : kMaxRows * ld_shrunk);
+  std::vector<float> c = std::vector<float>(kMaxRows * kMaxGroup * kBlockColumns);
+
+  void run(int64_t segment) {
+    const int64_t* seg = args.segments + 3 * segment;  // start, length, slot
+    for (int64_t first = seg[0]; first < seg[0] + seg[1]; first += kRows<W>)
+      rows(first, static_cast<int>(std::min<int64_t>(kRows<W>, seg[0] + seg[1] - first)), seg[2]);
+  }
+
+  void rows(int64_t first, int count, int64_t slot) {
+    const W* x = x_as_weights(first, count);
+    const float scale = args.scales ? static_cast<float>(args.scales[slot]) : 1.f;
+    for (int64_t i = 0; i < args.num_slices; ++i) {
+      const int64_t rank = std::min(args.slice_ranks[slot * args.num_slices + i], args.max_rank);
+      if (rank == 0) continue;
+      const int64_t rank16 = (rank + kBlockColumns - 1) / kBlockColumns * kBlockColumns;
+      float* s = shrunk.data() + i * args.max_rank;
+      shrink(count, x, args.hidden_in, a_tiles + slot * a_slot_stride + i * args.max_rank * args.hidden_in,
+             args.hidden_in, rank16, s, ld_shrunk);
+      expand<T, W>(count, shrunk_as_weights(count, i, rank16, scale), ld_shrunk, b_tiles + slot * b_slot_stride,
+                   args.max_rank, rank, args.slice_offsets[i], args.slice_offsets[i + 1],
+                   static_cast<T*>(args.y) + first * args.total_out, args.total_out, c.data());
+    }
+  }
+
+  const W* x_as_weights(int64_t first, int count) {
+    const T* x = static_cast<const T*>(args.x) + first * args.hidden_in;
+    if constexpr (std::is_same_v<T, W>) {
+      return x;
+    } else {
+      std::vector<float> row(args.hidden_in);
+      for (int r = 0; r < count; ++r) {
+        to_float(x + r * args.hidden_in, row.data(), args.hidden_in);
+        from_float(row.data(), x_rows.data() + r * args.hidden_in, args.hidden_in);
+      }
+      return x_rows.data();
+    }
+  }
+
+  // Slice i's shrunk rows scaled, as the expand's input type (rounded to bf16 for bf16 weights, as
+  // PEFT's bf16 adapters round their intermediate).
+  const W* shrunk_as_weights(int count, int64_t i, int64_t rank16, float scale) {
+    for (int r = 0; r < count; ++r) {
+      float* row = shrunk.data() + r * ld_shrunk + i * args.max_rank;
+#pragma omp simd
+      for (int64_t j = 0; j < rank16; ++j) row[j] *= scale;
+      if constexpr (!std::is_same_v<W, float>) from_float(row, shrunk_w.data() + r * ld_shrunk + i * args.max_rank, rank16);
+    }
+    if constexpr (std::is_same_v<W, float>) {
+      return shrunk.data() + i * args.max_rank;
+    } else {
+      return shrunk_w.data() + i * args.max_rank;
+    }
+  }
+};
+
+// bf16 weights run with bf16 activations only (the bindings check it).
+template <typename T>
+void run_segments(const LoraArgs& args, int64_t begin, int64_t end) {
+  if (args.weight_dtype == DType::f32) {
+    SegmentRunner<T, float> runner{args};
+    for (int64_t s = begin; s < end; ++s) runner.run(s);
+  } else if constexpr (std::is_same_v<T, bf16>) {
+    SegmentRunner<bf16, bf16> runner{args};
+    for (int64_t s = begin; s < end; ++s) runner.run(s);
+  }
+}
 
 }  // namespace
 
 void lora_segments(const LoraArgs& args, int64_t begin, int64_t end) {
-  dispatch_dtype(args.dtype, [&]<typename T>() { lora_kernel<T>(args, begin, end); });
+  dispatch_dtype(args.dtype, [&]<typename T>() { run_segments<T>(args, begin, end); });
 }
 
 }  // namespace cpu_ops

@@ -43,6 +43,10 @@ class CompiledLoraPlan:
     def num_segments(self) -> int:
         return self.segment_table.shape[0]
 
+    def segments(self) -> tuple[tuple[int, int, int], ...]:
+        """The segments as (start, end, slot)."""
+        return tuple((start, start + length, slot) for start, length, slot in self.segment_table.tolist())
+
     @classmethod
     def build(cls, token_slots: list[int]) -> CompiledLoraPlan:
         rows = [(start, end - start, slot) for start, end, slot in active_runs(token_slots)]

@@ -25,7 +25,7 @@ from lora_runtime.adapters.cache import AdapterCache
 from lora_runtime.adapters.merge import MergedAdapters, merge_lora_weights
 from lora_runtime.adapters.peft_format import load_peft_adapter
 from lora_runtime.adapters.refs import AdapterRef, LocalSource, parse_adapter_ref
-from lora_runtime.adapters.slots import AdapterSlotPool
+from lora_runtime.adapters.slots import AdapterSlotPool, projection_shapes
 from lora_runtime.adapters.weights import AdapterLimits, BaseModelShape, LoraWeights
 from lora_runtime.config import AdapterConfig
 from lora_runtime.errors import AdapterInvalidError, ValidationError
@@ -84,8 +84,8 @@ class AdapterManager:
             max_bytes=config.host_cache_bytes, num_workers=config.num_loader_threads,
         )
         self.backend = backend
-        self.pool = AdapterSlotPool(base_shape, config.num_slots, config.max_rank,
-                                    backend.lora_weight_dtype(model_dtype), backend.device)
+        layout = backend.lora_layout(model_dtype, list(projection_shapes(base_shape).values()))
+        self.pool = AdapterSlotPool(base_shape, config.num_slots, config.max_rank, layout, backend.device)
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # least recently used first
         self._futures: dict[str, Future[LoraWeights]] = {}
         self._chat_templates: dict[str, str] = {}  # key -> the adapter's own chat template

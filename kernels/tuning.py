@@ -29,6 +29,14 @@ CPU_KERNEL_CONSTANTS: dict[str, int] = {
     # The portable tiles (plain loops; the LoRA op's tiles in forms without the instructions).
     "portable_tile_rows": 4,
     "portable_tile_blocks": 1,
+    # max/logsumexp: the first index of a row's maximum is found by a vectorised test per chunk of
+    # this many logits, then a scalar scan within the chunk.
+    "first_index_chunk": 64,
+    # Instruction-peak probes (kernels/csrc/peak.cpp): independent multiply-add chains, enough to
+    # hide the instruction's latency (on AMD Zen 5 the AVX512-BF16 rate stops growing at 16), within
+    # the registers: 24 of 32 zmm, 12 of 16 ymm (the other registers hold the operands).
+    "peak_chains_avx512": 24,
+    "peak_chains_avx2": 12,
 }
 
 # Prefills the compiled attention op takes: q_len * context_len at most this, per form. Its work

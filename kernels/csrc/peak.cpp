@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstring>
 
+#include "lora_serve_tuning.h"
 #include "ops.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -22,14 +23,14 @@ using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
 #if defined(__AVX512F__)
-constexpr int kChains = 24;
+constexpr int kChains = tuning::kPeakChainsAvx512;
 double fma_f32(int64_t iterations, double seed) {
   __m512 acc[kChains];
   for (int c = 0; c < kChains; ++c) acc[c] = _mm512_set1_ps(static_cast<float>(seed * (c + 1)));
   const __m512 x = _mm512_set1_ps(static_cast<float>(seed)), y = _mm512_set1_ps(static_cast<float>(1e-3 * seed));
   const auto start = Clock::now();
   for (int64_t i = 0; i < iterations; ++i) {
-#pragma GCC unroll 24
+#pragma GCC unroll 32
     for (int c = 0; c < kChains; ++c) acc[c] = _mm512_fmadd_ps(acc[c], x, y);
   }
   const double seconds = seconds_since(start);
@@ -40,14 +41,14 @@ double fma_f32(int64_t iterations, double seed) {
   return static_cast<double>(iterations) * kChains * 32 / seconds;
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr int kChains = 12;  // of 16 vector registers, leaving room for the two operands
+constexpr int kChains = tuning::kPeakChainsAvx2;
 double fma_f32(int64_t iterations, double seed) {
   __m256 acc[kChains];
   for (int c = 0; c < kChains; ++c) acc[c] = _mm256_set1_ps(static_cast<float>(seed * (c + 1)));
   const __m256 x = _mm256_set1_ps(static_cast<float>(seed)), y = _mm256_set1_ps(static_cast<float>(1e-3 * seed));
   const auto start = Clock::now();
   for (int64_t i = 0; i < iterations; ++i) {
-#pragma GCC unroll 12
+#pragma GCC unroll 16
     for (int c = 0; c < kChains; ++c) acc[c] = _mm256_fmadd_ps(acc[c], x, y);
   }
   const double seconds = seconds_since(start);
@@ -71,7 +72,7 @@ double bf16_dot(int64_t iterations, double seed) {
   const __m512bh y = (__m512bh)_mm512_set1_ps(static_cast<float>(1e-3 * seed));
   const auto start = Clock::now();
   for (int64_t i = 0; i < iterations; ++i) {
-#pragma GCC unroll 24
+#pragma GCC unroll 32
     for (int c = 0; c < kChains; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], x, y);
   }
   const double seconds = seconds_since(start);

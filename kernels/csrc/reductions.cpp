@@ -9,6 +9,7 @@
 
 #include "convert.h"
 #include "exp.h"
+#include "lora_serve_tuning.h"
 #include "ops.h"
 
 namespace cpu_ops {
@@ -23,7 +24,7 @@ struct RowSummary {
 // The first index holding `value` (the last index when none does, as for a NaN maximum): a
 // vectorised test per chunk finds the chunk, a scalar scan the position within it.
 int64_t first_index_of(const float* row, int64_t vocab, float value) {
-  constexpr int64_t kChunk = 64;
+  constexpr int64_t kChunk = tuning::kFirstIndexChunk;
   int64_t start = 0;
   for (; start + kChunk <= vocab; start += kChunk) {
     int found = 0;

@@ -4,6 +4,7 @@ the PyTorch fallback, with one warning, where they are missing, stale or broken.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -98,3 +99,20 @@ def test_without_the_extension_the_cpu_backend_is_pytorch_with_one_warning() -> 
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "torch (3, 8)"
     assert result.stderr.count("compiled CPU ops are not installed") == 1
+
+
+def test_a_start_builds_nothing_and_waits_on_no_lock(tmp_path) -> None:
+    """The compiled ops come built with the package: a start compiles nothing and takes no lock in
+    PyTorch's extensions directory, so a lock left there by an interrupted build elsewhere (or by
+    another virtual environment) cannot hold it up. (Before, the ops were built there on the first
+    start, and a stale lock made every later start wait forever.)"""
+    extensions = tmp_path / "torch_extensions"
+    stale = extensions / "lora_serve_cpu_ops_0123456789ab"
+    stale.mkdir(parents=True)
+    (stale / "lock").touch()
+    script = ("import kernels, torch; backend = kernels.backend_for('cpu'); "
+              "backend.rms_norm(torch.ones(2, 8), torch.ones(8), 1e-6); print(backend.label)")
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions)}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60, env=env)
+    assert result.stdout.strip() == f"cpu/{cpu_ops.active_form()}"
+    assert sorted(path.name for path in extensions.rglob("*")) == ["lock", stale.name]  # untouched

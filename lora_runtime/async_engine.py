@@ -48,8 +48,17 @@ class RequestStream:
         self._engine = engine
         self._queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         self._done = False
+        # The newest snapshot the engine sent, read or not: what an aborted request had generated.
+        self._latest: RequestOutput | None = None
+
+    @property
+    def num_generated_tokens(self) -> int:
+        """Tokens the engine has generated for this request so far, as far as this stream knows."""
+        return len(self._latest.token_ids) if self._latest is not None else 0
 
     def _push(self, item: RequestOutput | Exception) -> None:
+        if isinstance(item, RequestOutput):
+            self._latest = item
         self._queue.put_nowait(item)
 
     def __aiter__(self) -> RequestStream:
@@ -66,10 +75,13 @@ class RequestStream:
             self._done = True
         return item
 
-    async def abort(self) -> None:
-        if not self._done:
-            self._done = True
-            self._engine.abort(self.request_id)
+    async def abort(self) -> bool:
+        """Cancel the request unless its stream has ended; True when this call cancelled it."""
+        if self._done:
+            return False
+        self._done = True
+        self._engine.abort(self.request_id)
+        return True
 
     async def aclose(self) -> None:
         await self.abort()

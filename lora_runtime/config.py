@@ -23,11 +23,30 @@ class KVCacheConfig:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    """Per-step budgets. Tokens, sequences and distinct adapters are each capped per step."""
+    """Per-step budgets. Work, sequences and distinct adapters are each capped per step.
 
-    # 2048 lets a burst of prompts prefill in few large steps, where the CPU's matrix units are
-    # efficient (64 prompts of 20-60 tokens: +15% end-to-end throughput against 512, measured).
+    Work is counted in token-equivalents, so that a budget bounds a step's time and not only its
+    tokens: a chunk of `n` tokens after `c` computed ones costs `n` (projections and MLP, the same
+    per token) plus its `n*c + n*(n+1)/2` query-key pairs of attention divided by
+    `attention_pairs_per_token`. On a CPU the attention dominates long prompts: a 2048-token chunk
+    of a 7,000-token prompt took ~3 s after no context and 8-11 s after 4096 tokens (one thread).
+    """
+
+    # A step's work budget; a step never holds more tokens than this either. 2048 lets a burst of
+    # prompts prefill in few large steps, where the CPU's matrix units are efficient (64 prompts of
+    # 20-60 tokens: +15% end-to-end throughput against 512, measured).
     max_num_batched_tokens: int = 2048
+    # Query-key pairs of attention that cost as much as one token's projections and MLP: for the
+    # embedded model on one CPU thread in bf16, a token costs ~0.6-1 ms and a pair ~0.6-1 us.
+    # Re-measure by timing `Engine.step` on one chunk of n tokens after c computed ones, for n and c
+    # from 16 to 4096: the ratio of the per-token to the per-pair cost.
+    attention_pairs_per_token: int = 1024
+    # One request's chunk gets at most this much work: a long prompt's prefill then leaves room in
+    # every step for requests arriving meanwhile, and a step carrying it stays short, which also
+    # bounds how long an abort waits for the step in flight. It trades step length against the
+    # fixed cost of a step (~15 ms here): at 256 a 7,000-token prompt prefilled in 122 steps of
+    # 0.13-0.39 s (one CPU thread, bf16), in the same total time as in 2048-token chunks.
+    max_prefill_chunk_work: int = 256
     max_num_seqs: int = 64
     max_adapters_per_step: int = 8
     # Requests waiting longer than this many steps are admitted before newer ones of popular
@@ -36,6 +55,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         assert self.max_num_batched_tokens > 0 and self.max_num_seqs > 0
+        assert self.attention_pairs_per_token > 0 and self.max_prefill_chunk_work > 0
         assert self.max_adapters_per_step > 0
 
 
@@ -53,7 +73,7 @@ class AdapterConfig:
 
 @dataclass(frozen=True, slots=True)
 class LimitsConfig:
-    """Request limits of API.md section 2."""
+    """Request limits of docs/api.md section 2."""
 
     max_stop_sequences: int = 4
     max_best_of: int = 4

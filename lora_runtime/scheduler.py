@@ -1,14 +1,16 @@
 """Continuous batching that counts tokens, not phases.
 
-Each request has `num_computed_tokens`; each step grants it some of the rest, within a token budget,
-a sequence budget and a budget of distinct adapters. Prefill, chunked prefill, decode and recompute
-after preemption are the same mechanism. Running requests go first, then waiting ones in arrival
-order. When KV blocks run out, the newest running request is preempted (its blocks freed, recomputed
-later). The scheduler touches no tensors and can be tested with no model.
+Each request has `num_computed_tokens`; each step grants it some of the rest, within a work budget
+(tokens plus their attention, `SchedulerConfig`), a sequence budget and a budget of distinct
+adapters. Prefill, chunked prefill, decode and recompute after preemption are the same mechanism.
+Running requests go first, decode tokens before prefill chunks, then waiting ones in arrival order;
+one request's chunk is capped, so a long prompt never holds a step for long nor fills it. When KV
+blocks run out, the newest running request is preempted (its blocks freed, recomputed later). The
+scheduler touches no tensors and can be tested with no model.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -53,23 +55,62 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+def chunk_work(num_computed_tokens: int, num_new_tokens: int, attention_pairs_per_token: int) -> int:
+    """Work of a chunk in token-equivalents: its tokens, plus its query-key pairs (each new token
+    attends to every earlier token and itself) in units of `attention_pairs_per_token`."""
+    num_pairs = num_new_tokens * num_computed_tokens + num_new_tokens * (num_new_tokens + 1) // 2
+    return num_new_tokens + num_pairs // attention_pairs_per_token
+
+
 class _StepBudget:
     """What is left of one step's budgets while the scheduler fills it."""
 
     def __init__(self, config: SchedulerConfig) -> None:
-        self.tokens = config.max_num_batched_tokens
+        self.config = config
+        self.work = config.max_num_batched_tokens
         self.seqs = config.max_num_seqs
-        self.max_adapters = config.max_adapters_per_step
-        self.adapter_keys: set[str] = set()
+        self.adapter_keys: Counter[str] = Counter()  # adapter -> its requests in the step
+
+    @property
+    def is_open(self) -> bool:
+        return self.work > 0 and self.seqs > 0
 
     def admits_adapter(self, adapter_key: str | None) -> bool:
-        return adapter_key is None or adapter_key in self.adapter_keys or len(self.adapter_keys) < self.max_adapters
+        return (adapter_key is None or adapter_key in self.adapter_keys
+                or len(self.adapter_keys) < self.config.max_adapters_per_step)
+
+    def num_tokens_for(self, request: Request) -> int:
+        """The most of the request's remaining tokens whose work fits what is left of the step and
+        one chunk's cap; one token at least in a step still empty, so that every request progresses
+        whatever its context."""
+        start, num_left = request.num_computed_tokens, request.num_tokens - request.num_computed_tokens
+        max_work = min(self.work, self.config.max_prefill_chunk_work)
+        low, high = 0, num_left  # work grows with the tokens: the largest count that fits
+        while low < high:
+            middle = (low + high + 1) // 2
+            if chunk_work(start, middle, self.config.attention_pairs_per_token) <= max_work:
+                low = middle
+            else:
+                high = middle - 1
+        is_empty = self.seqs == self.config.max_num_seqs
+        return max(low, 1) if is_empty else low
 
     def take(self, request: Request, num_tokens: int) -> None:
-        self.tokens -= num_tokens
+        self.work -= chunk_work(request.num_computed_tokens, num_tokens,
+                                self.config.attention_pairs_per_token)
         self.seqs -= 1
         if request.adapter_key:
-            self.adapter_keys.add(request.adapter_key)
+            self.adapter_keys[request.adapter_key] += 1
+
+    def give_back(self, item: ScheduledRequest) -> None:
+        """Return the share of a request taken out of the step again (preempted after it)."""
+        self.work += chunk_work(item.num_computed_tokens, item.num_new_tokens,
+                                self.config.attention_pairs_per_token)
+        self.seqs += 1
+        if item.request.adapter_key:
+            self.adapter_keys[item.request.adapter_key] -= 1
+            if not self.adapter_keys[item.request.adapter_key]:
+                del self.adapter_keys[item.request.adapter_key]
 
 
 class Scheduler:
@@ -112,7 +153,8 @@ class Scheduler:
         self.running.append(request)
 
     def schedule(self) -> SchedulerOutput:
-        """Fill one step: running requests first, then waiting ones while budgets allow."""
+        """Fill one step: running requests first (decode tokens, then prefill chunks), then waiting
+        ones while budgets allow."""
         budget = _StepBudget(self.config)
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
@@ -125,35 +167,52 @@ class Scheduler:
     def _schedule_running(
         self, budget: _StepBudget, scheduled: list[ScheduledRequest], preempted: list[Request]
     ) -> None:
-        index = 0
-        while index < len(self.running) and budget.tokens > 0 and budget.seqs > 0:
-            request = self.running[index]
-            index += 1
-            if not budget.admits_adapter(request.adapter_key):
+        # Decode tokens first (a stable sort keeps arrival order within each kind): a long prefill
+        # then never holds back the requests that are already generating.
+        for request in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+            if not budget.is_open:
+                return
+            if request.status is not RequestStatus.RUNNING or not budget.admits_adapter(request.adapter_key):
+                continue  # preempted earlier in this step, or its adapter does not fit this step
+            num_new = budget.num_tokens_for(request)
+            if num_new == 0:
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget.tokens)
-            while not self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is request:
-                    return
+            if not self._allocate_or_preempt(request, num_new, budget, scheduled, preempted):
+                return
             budget.take(request, num_new)
             scheduled.append(ScheduledRequest.of(request, num_new))
 
+    def _allocate_or_preempt(self, request: Request, num_new: int, budget: _StepBudget,
+                             scheduled: list[ScheduledRequest], preempted: list[Request]) -> bool:
+        """Allocate the request's slots, preempting the newest running requests until they fit (one
+        already scheduled in this step, a decode, gives its share back); False when that reached
+        the request itself."""
+        while not self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
+            victim = self.running.pop()
+            granted = next((item for item in scheduled if item.request is victim), None)
+            if granted is not None:
+                scheduled.remove(granted)
+                budget.give_back(granted)
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
     def _schedule_waiting(self, budget: _StepBudget, scheduled: list[ScheduledRequest]) -> None:
         passed_over: list[Request] = []
-        while self.waiting and budget.tokens > 0 and budget.seqs > 0:
+        while self.waiting and budget.is_open:
             request = self.waiting.popleft()
             if not self._can_admit(request, budget):
                 passed_over.append(request)
                 if self._is_overdue(request):
                     break  # strict FCFS from here on, so the overdue request's adapter gets in next
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget.tokens)
-            if not self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
+            num_new = budget.num_tokens_for(request)
+            num_needed = request.num_computed_tokens + num_new
+            if num_new == 0 or not self.kv_cache.allocate_slots(request.request_id, num_needed):
                 passed_over.append(request)
-                break  # out of blocks: admitting later arrivals first would break FCFS
+                break  # out of work or blocks: admitting later arrivals first would break FCFS
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._waited_steps.pop(request.request_id, None)

@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections.abc import Callable
 
 from starlette.requests import Request
 
 from lora_runtime.core import RequestOutput
 from server.errors import overloaded, shutting_down
-
-logger = logging.getLogger(__name__)
 
 
 class Admission:
@@ -32,7 +29,7 @@ class Admission:
         """Admit one request, or raise 503 (draining) / 429 (full) at once; returns its release,
         which is safe to call more than once."""
         if self.is_draining:
-            raise shutting_down()
+            raise shutting_down(self.retry_after_s)
         if self.num_in_flight >= self.max_in_flight:
             raise overloaded(self.retry_after_s)
         self.num_in_flight += 1
@@ -91,7 +88,6 @@ async def final_output(stream, request: Request) -> RequestOutput | None:
             with contextlib.suppress(asyncio.CancelledError):
                 await generation
     if generation.cancelled():
-        logger.info("client disconnected; request aborted")
         return None
     return generation.result()
 

@@ -37,8 +37,9 @@ class ServerMetrics:
                                 ["route", "status"], registry=self.registry)
         self.prompt_tokens = Counter("lora_prompt_tokens", "prompt tokens of finished requests",
                                      registry=self.registry)
-        self.generated_tokens = Counter("lora_generated_tokens", "generated tokens",
-                                        registry=self.registry)
+        self.generated_tokens = Counter("lora_generated_tokens",
+                                        "generated tokens, of finished requests and of those their "
+                                        "client left", registry=self.registry)
         self.disconnects = Counter("lora_client_disconnects", "requests aborted by their client",
                                    registry=self.registry)
         self.request_seconds = Histogram("lora_request_duration_seconds", "request latency",
@@ -62,6 +63,11 @@ class ServerMetrics:
             self.first_token_seconds.observe(first_token_s)
             if num_generated > 1:
                 self.per_token_seconds.observe((total_s - first_token_s) / (num_generated - 1))
+
+    def observe_disconnect(self, num_generated: int) -> None:
+        """A request aborted because its client left: the engine did generate its tokens."""
+        self.disconnects.inc()
+        self.generated_tokens.inc(num_generated)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

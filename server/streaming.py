@@ -1,4 +1,4 @@
-"""Server-sent events for one engine stream (API.md section 4): a chunk per new token, the last
+"""Server-sent events for one engine stream (docs/api.md section 4): a chunk per new token, the last
 one carrying the text and details, `:` comments after silence, an error event after the first
 byte, and cleanup (abort, admission slot) however the response ends."""
 from __future__ import annotations
@@ -6,24 +6,37 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from lora_runtime.async_engine import RequestStream
 from lora_runtime.core import RequestOutput, SamplingParams
 from lora_runtime.errors import EngineError
+from server.bridge import wait_for_disconnect
 from server.errors import error_body
 from server.responses import SSE_KEEPALIVE, sse_event, stream_chunk
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-async def first_output(stream, wait_s: float) -> asyncio.Future:
+async def first_output(stream: RequestStream, request: Request, wait_s: float) -> asyncio.Future | None:
     """Start fetching the stream's first output and wait up to `wait_s` for it, so that failures
-    known by then (a failed first step, say) are raised before the response starts. Returns the pending
-    fetch, to be handed to `sse_events`."""
+    known by then (a failed first step, say) are raised before the response starts. Returns the
+    pending fetch, to be handed to `sse_events`, or None when the client left meanwhile: a long
+    prompt's prefill can take all of `wait_s`, and nothing else watches the client until the
+    response starts."""
     pending = asyncio.ensure_future(stream.__anext__())
-    done, _ = await asyncio.wait({pending}, timeout=wait_s)
-    if done and isinstance(pending.exception(), EngineError):
+    watcher = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({pending, watcher}, timeout=wait_s,
+                                     return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if watcher in done:
+        pending.cancel()
+        return None
+    if pending in done and isinstance(pending.exception(), EngineError):
         raise pending.exception()
     return pending
 
@@ -52,7 +65,8 @@ async def with_keepalive(stream, first: asyncio.Future,
 async def sse_events(stream, first: asyncio.Future, inputs: str, params: SamplingParams,
                      keepalive_s: float,
                      on_final: Callable[[RequestOutput], None]) -> AsyncIterator[bytes]:
-    """The response body; `on_final` sees the final output once its event is built."""
+    """The response body; `on_final` sees the final output as it arrives, before its events are
+    sent, so that a client leaving during them does not take the request out of the counts."""
     num_sent = 0
     try:
         async for output in with_keepalive(stream, first, keepalive_s):
@@ -62,6 +76,8 @@ async def sse_events(stream, first: asyncio.Future, inputs: str, params: Samplin
             if output.error is not None:
                 yield _error_event(output.error)
                 return
+            if output.finished:
+                on_final(output)
             new_tokens = output.tokens[num_sent:]
             for index, token in enumerate(new_tokens):
                 is_last = output.finished and index == len(new_tokens) - 1
@@ -69,7 +85,6 @@ async def sse_events(stream, first: asyncio.Future, inputs: str, params: Samplin
                 yield sse_event(chunk.model_dump())
             num_sent = len(output.tokens)
             if output.finished:
-                on_final(output)
                 return
     except EngineError as error:
         yield _error_event(error)

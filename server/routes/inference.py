@@ -1,4 +1,4 @@
-"""The inference routes under `/{tenant_id}/deployments/v2/llms/{deployment_name}` (API.md section 1).
+"""The inference routes under `/{tenant_id}/deployments/v2/llms/{deployment_name}` (docs/api.md section 1).
 
 Order of checks: token, tenant, deployment, body, parameters, admission, engine validation; all of
 them before the first response byte, so each failure gets its own status and JSON body.
@@ -6,6 +6,7 @@ them before the first response byte, so each failure gets its own status and JSO
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from collections.abc import Callable
 
@@ -14,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from lora_runtime.adapters.manager import AdapterRequest
+from lora_runtime.async_engine import RequestStream
 from lora_runtime.core import RequestOutput, SamplingParams
 from lora_runtime.errors import EngineError, ValidationError
 from server.auth import authorize_tenant
@@ -29,6 +31,7 @@ from server.state import ServerState, server_state
 from server.streaming import CleanupStreamingResponse, first_output, sse_events
 
 PREFIX = "/{tenant_id}/deployments/v2/llms/{deployment_name}"
+logger = logging.getLogger(__name__)
 router = APIRouter(tags=["inference"])
 
 
@@ -85,8 +88,8 @@ async def _serve(request: Request, state: ServerState, tenant_id: str, deploymen
             if not is_stream:
                 return await _complete(request, stream, body.inputs, params, state, timing,
                                        identity, as_array=mode is Mode.COMPAT)
-            response = await _stream_response(stream, body.inputs, params, state, timing, identity,
-                                              release)
+            response = await _stream_response(request, stream, body.inputs, params, state, timing,
+                                              identity, release)
             is_owned_by_response = True
             return response
         finally:
@@ -105,34 +108,38 @@ def _engine_arguments(body: GenerateRequest, state: ServerState, tenant: str,
     return params, adapter_reference(body.parameters, tenant)
 
 
-async def _stream_response(stream, inputs: str, params: SamplingParams, state: ServerState,
-                           timing: Timing, identity: dict[str, str],
-                           release: Callable[[], None]) -> Response:
+async def _stream_response(request: Request, stream: RequestStream, inputs: str,
+                           params: SamplingParams, state: ServerState, timing: Timing,
+                           identity: dict[str, str], release: Callable[[], None]) -> Response:
     """SSE once the first output is in (or `keepalive_s` passed), so that early failures still
     get their own status; from then on the response owns the slot and the stream."""
     async def on_close() -> None:
         try:
-            await stream.abort()
+            if await stream.abort():  # the stream had not ended: its client left
+                _observe_disconnect(request, stream, state, timing)
         finally:
             release()
 
     try:
-        first = await first_output(stream, state.config.keepalive_s)
+        first = await first_output(stream, request, state.config.keepalive_s)
     except BaseException:
         await on_close()
         raise
+    if first is None:
+        await on_close()
+        return _client_closed()
     events = sse_events(stream, first, inputs, params, state.config.keepalive_s,
                         on_final=lambda output: _observe(state, output, timing))
     return CleanupStreamingResponse(events, on_close, identity)
 
 
-async def _complete(request: Request, stream, inputs: str, params: SamplingParams, state: ServerState,
-                    timing: Timing, identity: dict[str, str], as_array: bool) -> Response:
+async def _complete(request: Request, stream: RequestStream, inputs: str, params: SamplingParams,
+                    state: ServerState, timing: Timing, identity: dict[str, str],
+                    as_array: bool) -> Response:
     output = await final_output(stream, request)
     if output is None:
-        state.metrics.disconnects.inc()
-        # Nobody reads this answer; 499 (client closed request) keeps the logs and metrics honest.
-        return Response(status_code=499)
+        _observe_disconnect(request, stream, state, timing)
+        return _client_closed()
     if output.error is not None:
         raise _output_error(output.error, state)
     headers = generate_headers(output, timing, identity)
@@ -145,6 +152,22 @@ def _output_error(error: Exception, state: ServerState) -> ApiError:
     if isinstance(error, EngineError):
         return from_engine_error(error, state.config.retry_after_s)
     return ApiError(500, "incomplete_generation", f"the engine failed the request: {error}")
+
+
+def _client_closed() -> Response:
+    """The answer to a client that left: nobody reads it; 499 (client closed request) keeps the logs
+    and the request metrics honest."""
+    return Response(status_code=499)
+
+
+def _observe_disconnect(request: Request, stream: RequestStream, state: ServerState,
+                        timing: Timing) -> None:
+    """One account of a request aborted because its client left, streamed or not: counted, logged,
+    and its tokens counted as generated (the engine did the work)."""
+    num_generated = stream.num_generated_tokens
+    logger.info("client disconnected; request aborted: %s %s after %.2f s and %d generated tokens",
+                request.url.path, stream.request_id, time.monotonic() - timing.received, num_generated)
+    state.metrics.observe_disconnect(num_generated)
 
 
 def _observe(state: ServerState, output: RequestOutput, timing: Timing) -> None:

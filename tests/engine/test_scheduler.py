@@ -1,5 +1,6 @@
 """Scheduler and allocator invariants, with no model: budgets never exceeded, every block freed,
-preemption recomputes, FCFS order, no request starved (also across adapters)."""
+preemption recomputes, FCFS order, no request starved (also across adapters), a long prefill never
+holding back decodes or new arrivals."""
 from __future__ import annotations
 
 import random
@@ -9,7 +10,7 @@ import pytest
 from lora_runtime.config import SchedulerConfig
 from lora_runtime.core import RequestStatus
 from lora_runtime.kv_cache import BlockAllocator, KVCacheManager
-from lora_runtime.scheduler import Scheduler
+from lora_runtime.scheduler import ScheduledRequest, Scheduler
 from tests.engine.factories import make_request
 
 
@@ -27,6 +28,13 @@ def _simulate_step(scheduler: Scheduler) -> list:
                 scheduler.finish(request)
                 finished.append(request)
     return output, finished
+
+
+def _work(item: ScheduledRequest, config: SchedulerConfig) -> int:
+    """A chunk's work by its definition: one per token, plus one per `attention_pairs_per_token`
+    query-key pairs, counted one new token at a time (it attends to all before it and itself)."""
+    num_pairs = sum(item.num_computed_tokens + offset + 1 for offset in range(item.num_new_tokens))
+    return item.num_new_tokens + num_pairs // config.attention_pairs_per_token
 
 
 def test_allocator_reference_counts_return_blocks_at_zero() -> None:
@@ -55,7 +63,9 @@ def test_block_table_grows_by_whole_blocks_and_refuses_when_full() -> None:
 @pytest.mark.parametrize("seed", range(5))
 def test_random_workload_respects_budgets_and_frees_every_block(seed: int) -> None:
     rng = random.Random(seed)
-    config = SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=5, max_adapters_per_step=2)
+    # 16 pairs per token make attention count at these small contexts, so the work caps bind.
+    config = SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=5, max_adapters_per_step=2,
+                             attention_pairs_per_token=16, max_prefill_chunk_work=12)
     kv = KVCacheManager(num_blocks=14, block_size_tokens=4)
     scheduler = Scheduler(config, kv)
     requests = [
@@ -73,6 +83,8 @@ def test_random_workload_respects_budgets_and_frees_every_block(seed: int) -> No
         finished.extend(done)
         preemptions += len(output.preempted)
         assert output.num_batched_tokens <= config.max_num_batched_tokens
+        assert sum(_work(item, config) for item in output.scheduled) <= config.max_num_batched_tokens
+        assert all(_work(item, config) <= config.max_prefill_chunk_work for item in output.scheduled)
         assert len(output.scheduled) <= config.max_num_seqs
         assert len(output.adapter_keys) <= config.max_adapters_per_step
         keys = [item.request.adapter_key or "" for item in output.scheduled]
@@ -134,3 +146,65 @@ def test_waiting_request_whose_adapter_is_loading_does_not_block_others() -> Non
     ready.add("slow")
     output, _ = _simulate_step(scheduler)
     assert "slow" in [item.request.request_id for item in output.scheduled]
+
+
+def test_long_prefill_leaves_room_for_decodes_and_new_requests_every_step() -> None:
+    """With the default budgets, a 7,000-token prompt is prefilled in chunks that keep each step
+    within its work budget, while a short request arriving at any step gets its whole prompt in the
+    very next step and, once generating, a token in every step after (decodes go first)."""
+    config = SchedulerConfig()
+    scheduler = Scheduler(config, KVCacheManager(num_blocks=1024, block_size_tokens=16))
+    long = make_request("long", 7000, 1)
+    scheduler.add_request(long)
+    _simulate_step(scheduler)
+    num_steps = 0
+    while long.num_computed_tokens < long.num_prompt_tokens:
+        num_steps += 1
+        assert num_steps < 500, "the long prompt's prefill does not progress"
+        short = make_request(f"short-{num_steps}", 2, 3)
+        scheduler.add_request(short)
+        decoding = [r for r in scheduler.running if r is not long]
+        output, _ = _simulate_step(scheduler)
+        grants = {item.request.request_id: item for item in output.scheduled}
+        assert short.request_id in grants, f"step {num_steps}: the new request got no tokens"
+        assert (grants[short.request_id].num_computed_tokens, grants[short.request_id].num_new_tokens) == (0, 2)
+        assert all(grants[r.request_id].num_new_tokens == 1 for r in decoding)
+        assert grants["long"].num_new_tokens > 0
+        assert _work(grants["long"], config) <= config.max_prefill_chunk_work
+        assert sum(_work(item, config) for item in output.scheduled) <= config.max_num_batched_tokens
+
+
+def test_decode_tokens_go_before_prefill_chunks() -> None:
+    """A request already generating gets its token even behind a prefill that could fill the step
+    alone (a best_of candidate forked while a later prompt prefills, say)."""
+    config = SchedulerConfig(max_num_batched_tokens=32, max_prefill_chunk_work=32)
+    kv = KVCacheManager(num_blocks=64, block_size_tokens=4)
+    scheduler = Scheduler(config, kv)
+    long = make_request("long", 200, 1)
+    scheduler.add_request(long)
+    _simulate_step(scheduler)
+    forked = make_request("forked", 4, 3)
+    forked.output_token_ids.append(0)
+    assert kv.allocate_slots("forked", 4)  # its prompt is in the cache, as a forked candidate's is
+    forked.num_computed_tokens = 4
+    scheduler.add_running(forked)
+    output, _ = _simulate_step(scheduler)
+    grants = {item.request.request_id: item.num_new_tokens for item in output.scheduled}
+    assert grants["forked"] == 1 and grants["long"] > 0, grants
+
+
+def test_newest_request_is_preempted_even_when_its_decode_was_scheduled_first() -> None:
+    """Decodes are scheduled first, yet when an older prompt's chunk runs out of blocks the newest
+    running request (a decode already in the step) is still the one preempted: its share goes back
+    and the older prompt keeps the work it has done."""
+    kv = KVCacheManager(num_blocks=6, block_size_tokens=4)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_prefill_chunk_work=8), kv)
+    long, short = make_request("long", 24, 1), make_request("short", 2, 10)
+    scheduler.add_request(long)
+    scheduler.add_request(short)
+    _simulate_step(scheduler)  # long: 8 tokens in 2 blocks; short: its prompt in 1 block
+    _simulate_step(scheduler)  # short decodes in its block; long: 8 more, 5 blocks of 6 in use
+    output, _ = _simulate_step(scheduler)  # long's last chunk needs 2 more blocks, 1 is free
+    assert [request.request_id for request in output.preempted] == ["short"]
+    assert [(item.request.request_id, item.num_new_tokens) for item in output.scheduled] == [("long", 8)]
+    assert long.num_computed_tokens == 24 and short.num_computed_tokens == 0

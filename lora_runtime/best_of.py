@@ -3,7 +3,7 @@
 The first candidate is the request itself. When its prompt has been computed and its first token
 drawn, the engine forks the others from it: they share the prompt's full KV blocks (reference
 counted), get a copy of the partial last block, and draw their own first token from the same logits
-with their own seed (seed + i). The winner has the highest mean logprob per generated token (TGI's
+with their own seed (a request's seed is refused with best_of > 1, as TGI does). The winner has the highest mean logprob per generated token (TGI's
 rule; the first candidate wins a tie); the others are reported as `best_of_sequences`.
 """
 from __future__ import annotations

@@ -17,10 +17,10 @@ FinishReason = Literal["length", "eos_token", "stop_sequence"]
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """Generation parameters, with the spec's names and API.md's defaults and ranges.
+    """Generation parameters, with the wire's names, defaults and ranges (docs/api.md section 2).
 
     Sampling is on when `do_sample` is set or any of temperature != 1, top_k, top_p < 1,
-    typical_p < 1 is given; temperature 0 means greedy whatever else is set (SEMANTICS.md).
+    typical_p < 1 is given; temperature 0 means greedy whatever else is set (docs/semantics.md).
     """
 
     max_new_tokens: int = 20
@@ -65,6 +65,10 @@ class SamplingParams:
             raise ValidationError("stop", "every stop sequence must be a non-empty string")
         if self.best_of > 1 and not self.is_sampling:
             raise ValidationError("best_of", "best_of > 1 needs sampling (do_sample or a sampling parameter)")
+        if self.best_of > 1 and self.seed is not None:
+            # As TGI, and as its and LoRAX's clients check before sending: one seed cannot make
+            # several candidates that differ.
+            raise ValidationError("seed", "must not be set when best_of > 1")
 
     @property
     def is_sampling(self) -> bool:

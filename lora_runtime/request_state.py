@@ -15,7 +15,7 @@ class RequestState:
         self.request = request
         self.prompt = prompt
         self.tokenizer_info = info
-        self.sampling = SamplingState(request.params, request.prompt_token_ids, info, candidate_index)
+        self.sampling = SamplingState(request.params, request.prompt_token_ids, info)
         self.candidate_index = candidate_index
         self.detokenizer = IncrementalDetokenizer(info.tokenizer, request.prompt_token_ids)
         self.stop = StopCriteria(request.params, info.eos_token_ids)

@@ -1,4 +1,4 @@
-"""The engine's adapter sources, built from the operator's configuration (API.md section 3).
+"""The engine's adapter sources, built from the operator's configuration (docs/api.md section 3).
 
 Each source is a `SourceResolver` `(ref, api_token, scope) -> local PEFT directory`; the scope is the
 caller's tenant. `pbase` reads this server's registry in that tenant; `hub` asks the hub endpoint the
@@ -20,17 +20,16 @@ from lora_runtime.adapters.merge import MergedAdapters
 from lora_runtime.adapters.peft_format import load_peft_adapter
 from lora_runtime.adapters.refs import AdapterRef, LocalSource
 from lora_runtime.adapters.sources.download import AdapterStore
-from lora_runtime.adapters.sources.ids import infer_source, parse_pbase_id
+from lora_runtime.adapters.sources.ids import infer_source
 from lora_runtime.adapters.sources.s3 import S3Config
-from lora_runtime.errors import AdapterNotFoundError, AdapterUnavailableError, ValidationError
+from lora_runtime.errors import AdapterUnavailableError, ValidationError
 from server.config import ServerConfig
 from server.db import Database
 from server.registry.blobs import BlobStore, LocalBlobStore, S3BlobStore
-from server.registry.errors import VersionNotFoundError
 from server.registry.models import RegistryBase
 from server.registry.service import AdapterRegistry
 from server.registry.signing import UrlSigner
-from server.registry.source import PbaseResolver
+from server.registry.source import PbaseResolver, version_to_serve
 from server.registry.uploads import UploadConfig, UploadService
 
 
@@ -109,9 +108,9 @@ class AdapterServices:
     signer: UrlSigner
 
     def with_current_versions(self, request: AdapterRequest | None) -> AdapterRequest | None:
-        """`request` keyed by the blob ids of the pbase versions it names, read now: a deleted
-        version is not found even while its weights are cached, and a repo deleted and created
-        again never serves the old weights under the same `repo/N`. Blocks (database)."""
+        """`request` keyed by the blob ids of the pbase versions it names, read now: a deleted or
+        archived version is not found even while its weights are cached, and a repo deleted and
+        created again never serves the old weights under the same `repo/N`. Blocks (database)."""
         if request is None:
             return None
         adapter = request.adapter
@@ -123,11 +122,8 @@ class AdapterServices:
         return dataclasses.replace(request, version_key=",".join(blob_ids)) if blob_ids else request
 
     def _blob_id(self, tenant: str, adapter_id: str) -> str:
-        parsed = parse_pbase_id(adapter_id)
-        try:
-            return self.registry.get_version(tenant, parsed.repo, parsed.version).blob_id
-        except VersionNotFoundError:
-            raise AdapterNotFoundError(f"adapter {adapter_id!r} not found") from None
+        version, _ = version_to_serve(self.registry.sessions, tenant, adapter_id)
+        return version.blob_id
 
     def uploads(self, config: ServerConfig, base_url: str) -> UploadService:
         """The upload service, its URLs starting with `config.public_url`, else `base_url`."""

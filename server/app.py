@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -24,11 +25,15 @@ from server.protocol import (CompatRequest, ErrorResponse, GenerateRequest, Gene
                              StreamResponse)
 from server.registry.uploads import UPLOAD_ROUTE
 from server.routes import control, inference, registry, service
+from server.routes.docs import install_offline_docs
 from server.state import ServerState
 
 logger = logging.getLogger(__name__)
-# Seconds uvicorn waits past the drain deadline, for the aborted requests' answers to go out.
+# Seconds past the drain's deadline that uvicorn then waits for what is still open: the aborted
+# requests' answers, and requests the drain does not count (uploads, control-plane calls).
 _GRACE_MARGIN_S = 3
+# How often the drain looks for a forced exit; uvicorn's own shutdown polls at this rate too.
+_FORCE_EXIT_POLL_S = 0.1
 
 
 def create_app(config: ServerConfig, engine, database: Database,
@@ -49,6 +54,7 @@ def create_app(config: ServerConfig, engine, database: Database,
     app.include_router(control.router)
     app.include_router(registry.router)
     app.openapi = lambda: _openapi(app)
+    install_offline_docs(app)
     return app
 
 
@@ -58,7 +64,6 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     async_engine = AsyncEngine(state.engine)
     await async_engine.start()
     state.async_engine = async_engine
-    state.loop = asyncio.get_running_loop()
     try:
         yield
     finally:
@@ -90,7 +95,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     for path, operations in document["paths"].items():
         for operation in operations.values():
-            # Signed upload URLs are their own authorization (API.md section 7).
+            # Signed upload URLs are their own authorization (docs/api.md section 7).
             if path != "/health" and not path.startswith(UPLOAD_ROUTE):
                 operation["security"] = [{"bearer": []}]
     app.openapi_schema = document
@@ -98,9 +103,10 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn, but on the exit signal the app first refuses new requests (503 shutting_down) and
-    starts the drain: in-flight requests get `shutdown_deadline_s`, then the engine aborts them.
-    uvicorn's own grace period is a little longer, so those aborts still reach the clients."""
+    """uvicorn, but the exit signal starts a drain before uvicorn's own shutdown: the listening
+    sockets stay open, so new requests get 503 shutting_down and `/health` says draining (instead
+    of "connection refused"), while those in flight get `shutdown_deadline_s` to finish; then the
+    engine aborts the rest and uvicorn closes the sockets, waiting for those answers."""
 
     def __init__(self, app: FastAPI, config: ServerConfig, **uvicorn_options: Any) -> None:
         options = {"log_level": "info", **uvicorn_options}
@@ -108,22 +114,30 @@ class DrainingServer(uvicorn.Server):
         super().__init__(uvicorn.Config(app, host=config.host, port=config.port,
                                         timeout_graceful_shutdown=grace_s, **options))
         self._state: ServerState = app.state.server
-        self._drain_task: asyncio.Future | None = None
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        self._begin_drain()
+        # Refuse at once: the main loop only notices `should_exit` at its next tick.
+        self._state.admission.begin_draining()
         super().handle_exit(sig, frame)
 
     def request_exit(self) -> None:
         """Begin a graceful shutdown from another thread (what a SIGTERM does)."""
-        self._begin_drain()
+        self._state.admission.begin_draining()
         self.should_exit = True
 
-    def _begin_drain(self) -> None:
-        is_first = not self._state.admission.is_draining
-        self._state.admission.begin_draining()
-        if is_first and self._state.loop is not None:
-            self._state.loop.call_soon_threadsafe(self._start_drain_task)
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """Drain while still listening; uvicorn's own shutdown then closes the sockets."""
+        await self._drain_unless_forced()
+        await super().shutdown(sockets)
 
-    def _start_drain_task(self) -> None:
-        self._drain_task = asyncio.ensure_future(_drain(self._state))
+    async def _drain_unless_forced(self) -> None:
+        """The drain, cut short by a second Ctrl+C (uvicorn's force exit), as uvicorn's own wait is."""
+        drain = asyncio.ensure_future(_drain(self._state))
+        while not drain.done() and not self.force_exit:
+            await asyncio.wait({drain}, timeout=_FORCE_EXIT_POLL_S)
+        if not drain.done():
+            drain.cancel()
+            logger.warning("forced exit: %d requests in flight were not drained",
+                           self._state.admission.num_in_flight)
+            return
+        drain.result()

@@ -1,6 +1,6 @@
-"""The service's HTTP errors and their one JSON shape, `{"error": ..., "error_type": ...}` (API.md
-section 6). Engine errors already carry `error_type` and `status_code`; the errors here are the ones
-only the HTTP layer can raise (auth, routing, body, admission)."""
+"""The service's HTTP errors and their one JSON shape, `{"error": ..., "error_type": ...}`
+(docs/api.md section 6). Engine errors already carry `error_type` and `status_code`; the errors
+here are the ones only the HTTP layer can raise (auth, routing, body, admission)."""
 from __future__ import annotations
 
 import logging
@@ -53,8 +53,8 @@ def overloaded(retry_after_s: int) -> ApiError:
                     {"Retry-After": str(retry_after_s)})
 
 
-def shutting_down() -> ApiError:
-    return ApiError(503, "shutting_down", "the server is shutting down")
+def shutting_down(retry_after_s: int) -> ApiError:
+    return ApiError(503, "shutting_down", "the server is shutting down", {"Retry-After": str(retry_after_s)})
 
 
 def payload_too_large(limit_bytes: int) -> ApiError:

@@ -94,7 +94,7 @@ def _refuse_unsupported(values: dict[str, Any]) -> None:
 def adapter_reference(parameters: GenerateParameters | None, tenant: str) -> AdapterRequest | None:
     """The adapter the request asks for, as the engine's `add_request(adapter=...)` takes it.
 
-    The single place where the wire's adapter fields become the engine's adapter argument (API.md
+    The single place where the wire's adapter fields become the engine's adapter argument (docs/api.md
     section 3): None for the base model; otherwise an `AdapterRequest` scoped to the caller's
     `tenant`, so `pbase` ids resolve in that tenant only. The hub token travels only with requests
     that may reach the hub. Raises `ValidationError` naming the field.
@@ -132,7 +132,7 @@ def _merged_adapters(merged: WireMergedAdapters) -> MergedAdapters:
 
 
 def adapter_headers(parameters: GenerateParameters | None) -> dict[str, str]:
-    """`x-adapter-id` and `x-adapter-source` for the adapter a request names (API.md 3 and 5)."""
+    """`x-adapter-id` and `x-adapter-source` for the adapter a request names (docs/api.md sections 3 and 5)."""
     if parameters is not None and parameters.merged_adapters is not None:
         return {"x-adapter-id": ",".join(parameters.merged_adapters.ids), "x-adapter-source": "merged"}
     if parameters is None or not parameters.adapter_id:

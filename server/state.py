@@ -2,7 +2,6 @@
 adapter registry services."""
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 
 from starlette.requests import HTTPConnection
@@ -25,7 +24,6 @@ class ServerState:
     metrics: ServerMetrics | None
     adapters: AdapterServices
     async_engine: AsyncEngine | None = None  # set when the app starts
-    loop: asyncio.AbstractEventLoop | None = None  # the app's event loop, set when it starts
 
     @property
     def model_name(self) -> str:

@@ -53,16 +53,12 @@ class SamplingState:
 
     __slots__ = ("params", "seed", "generator", "token_ids", "_last_token_id", "_seen_ids", "_penalty_ids", "_schema")
 
-    def __init__(
-        self, params: SamplingParams, prompt_token_ids: Sequence[int], info: TokenizerInfo, candidate_index: int = 0
-    ) -> None:
-        """Raises ValidationError("schema", ...) when the schema cannot be compiled.
-
-        `candidate_index` i of a best_of request samples with seed + i (SEMANTICS.md).
-        """
+    def __init__(self, params: SamplingParams, prompt_token_ids: Sequence[int], info: TokenizerInfo) -> None:
+        """Raises ValidationError("schema", ...) when the schema cannot be compiled. Each best_of
+        candidate draws its own seed (a seed is refused with best_of > 1, docs/semantics.md)."""
         assert prompt_token_ids, "the watermark and the penalty need at least one prompt token"
         self.params = params
-        self.seed = _pick_seed(params, candidate_index)
+        self.seed = _pick_seed(params)
         self.generator = None if self.seed is None else torch.Generator(device="cpu").manual_seed(self.seed)
         self.token_ids: list[int] = []  # generated so far
         self._last_token_id = prompt_token_ids[-1]
@@ -153,13 +149,13 @@ def next_token_logprobs(logits: torch.Tensor, next_token_ids: Sequence[int]) -> 
     return torch.log_softmax(logits.float(), dim=-1).gather(1, targets)[:, 0].tolist()
 
 
-def _pick_seed(params: SamplingParams, candidate_index: int) -> int | None:
-    """The request's seed (+ its best_of index), a fresh random one, or None when greedy."""
+def _pick_seed(params: SamplingParams) -> int | None:
+    """The request's seed, a fresh random one, or None when greedy."""
     if not params.is_sampling:
         return None
     if params.seed is None:
         return random.SystemRandom().getrandbits(63)  # 63 bits: fits a signed 64-bit client integer
-    return (params.seed + candidate_index) % _SEED_MODULUS
+    return params.seed % _SEED_MODULUS
 
 
 def _new_schema_matcher(schema: str | None, info: TokenizerInfo) -> SchemaMatcher | None:

@@ -1,5 +1,5 @@
 """Registry failures, typed like `lora_runtime.errors` (an `error_type` and an HTTP status each) so
-the server maps them to API.md section 6 bodies the same way as engine errors."""
+the server maps them to docs/api.md section 6 bodies the same way as engine errors."""
 
 from __future__ import annotations
 

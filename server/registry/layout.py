@@ -2,8 +2,9 @@
 
 Top-level files are the adapter; `checkpoint-<N>/` subfolders (the layout training tools write) are
 checkpoints N. Without top-level adapter files the highest checkpoint is the version's adapter.
-`adapter_model.bin` is converted to safetensors with `torch.load(weights_only=True)`, which refuses
-pickled code, so only tensors ever reach the store.
+`adapter_model.bin` is converted to safetensors by the engine's own reader (`torch.load` with
+`weights_only=True`, which refuses pickled code), so only tensors ever reach the store and a bad
+file gets the same message as through any adapter source.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from safetensors.torch import save_file
 
+from lora_runtime.adapters.peft_format import read_bin_tensors
 from lora_runtime.adapters.sources.download import ADAPTER_CONFIG_FILE, ADAPTER_FILES
 from lora_runtime.errors import AdapterInvalidError, ValidationError
 
@@ -80,14 +81,7 @@ def _convert_bin_weights(adapter_dir: Path) -> None:
         return
     safetensors_path = adapter_dir / "adapter_model.safetensors"
     if not safetensors_path.exists():
-        try:
-            state = torch.load(bin_path, map_location="cpu", weights_only=True)
-        except Exception as error:  # noqa: BLE001 - any unpickling failure means "not plain tensors"
-            raise AdapterInvalidError(
-                f"adapter_model.bin is not a plain tensor checkpoint ({type(error).__name__})"
-            ) from None
-        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-            raise AdapterInvalidError("adapter_model.bin must hold a mapping of names to tensors")
+        state = read_bin_tensors(bin_path)
         # Clones: safetensors refuses tensors that share storage, which torch.save keeps.
         save_file({name: t.detach().clone().contiguous() for name, t in state.items()}, safetensors_path)
     bin_path.unlink()

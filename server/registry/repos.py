@@ -40,7 +40,7 @@ class VersionInfo:
     blob_id: str
 
     def to_api(self) -> dict[str, object]:
-        """The version object of API.md section 1 (`adapterPath` is the adapter id to generate with)."""
+        """The version object of docs/api.md section 1 (`adapterPath` is the adapter id to generate with)."""
         return {
             "repo": self.repo,
             "tag": self.tag,

@@ -1,6 +1,6 @@
 """Signed, expiring URLs: an HMAC-SHA256 over the path and the expiry time with a server secret.
 
-A signed URL is its own authorization (API.md section 1: upload URLs need no Authorization header),
+A signed URL is its own authorization (docs/api.md section 1: upload URLs need no Authorization header),
 so it names one path, ends at a fixed time, and cannot be altered without the secret.
 """
 

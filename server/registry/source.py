@@ -1,8 +1,10 @@
 """The `pbase` adapter source: `repo/version[@checkpoint]` in the caller's tenant.
 
 The registry is asked on every resolve, so a deleted version is never served from the local store
-and another tenant's adapter is not found (its existence is not revealed). Versions are immutable,
-so stored copies are keyed by the version's blob id.
+and another tenant's adapter is not found (its existence is not revealed). An archived version is
+not served either (as Predibase hides archived versions from use) until it is unarchived: the
+server asks `version_to_serve` again for every request, so weights already cached do not serve it.
+Versions are immutable, so stored copies are keyed by the version's blob id.
 """
 
 from __future__ import annotations
@@ -16,8 +18,29 @@ from lora_runtime.errors import AdapterNotFoundError
 from server.registry import repos
 from server.registry.blobs import BlobStore
 from server.registry.errors import VersionNotFoundError
-from server.registry.repos import SessionFactory
+from server.registry.repos import SessionFactory, VersionInfo
 from server.registry.service import version_prefix
+
+
+def version_to_serve(sessions: SessionFactory, tenant_id: str, ref: str) -> tuple[VersionInfo, int | None]:
+    """The version that pbase id `ref` names in `tenant_id`, and its checkpoint (None: the version's
+    own adapter), when they may be served.
+
+    Raises:
+        ValidationError: a malformed id.
+        AdapterNotFoundError: no such repo, version or checkpoint in this tenant, or an archived version.
+    """
+    adapter_id = parse_pbase_id(ref)
+    try:
+        version = repos.get_version(sessions, tenant_id, adapter_id.repo, adapter_id.version)
+    except VersionNotFoundError:
+        raise AdapterNotFoundError(f"adapter {ref!r} not found") from None
+    if version.archived:
+        raise AdapterNotFoundError(f"adapter {ref!r} is archived; unarchive the version to use it")
+    checkpoint = adapter_id.checkpoint
+    if checkpoint is not None and checkpoint not in version.checkpoints:
+        raise AdapterNotFoundError(f"adapter {ref!r}: version has no checkpoint {checkpoint}")
+    return version, checkpoint
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,16 +54,10 @@ class PbaseResolver:
 
         Raises:
             ValidationError: a malformed id.
-            AdapterNotFoundError: no such repo, version or checkpoint in this tenant.
+            AdapterNotFoundError: no such repo, version or checkpoint in this tenant, or an archived
+                version.
         """
-        adapter_id = parse_pbase_id(ref)
-        try:
-            version = repos.get_version(self.sessions, tenant_id, adapter_id.repo, adapter_id.version)
-        except VersionNotFoundError:
-            raise AdapterNotFoundError(f"adapter {ref!r} not found") from None
-        checkpoint = adapter_id.checkpoint
-        if checkpoint is not None and checkpoint not in version.checkpoints:
-            raise AdapterNotFoundError(f"adapter {ref!r}: version has no checkpoint {checkpoint}")
+        version, checkpoint = version_to_serve(self.sessions, tenant_id, ref)
         prefix = version_prefix(version.blob_id, checkpoint)
         key = ("pbase", version.blob_id, prefix.rsplit("/", 1)[-1])
         return self.store.fetch(key, ref, lambda staging: self._download(prefix, ref, staging))
@@ -56,7 +73,7 @@ class PbaseResolver:
 
 @dataclass(frozen=True, slots=True)
 class PbaseSource:
-    """The `AdapterSource` shape, `resolve(ref, api_token) -> Path`, bound to one request's tenant."""
+    """An adapter source, `resolve(ref, api_token) -> Path`, bound to one request's tenant."""
 
     resolver: PbaseResolver
     tenant_id: str

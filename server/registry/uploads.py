@@ -1,4 +1,4 @@
-"""The three-step upload of API.md section 1 as service functions.
+"""The three-step upload of docs/api.md section 1 as service functions.
 
 1. `start_upload`: opens an upload session and hands out one signed, expiring URL per file (presigned
    S3 URLs when the blob store is S3, else URLs to this server's `PUT` route for `receive_file`).
@@ -28,7 +28,7 @@ from server.registry.signing import UrlSigner
 
 logger = logging.getLogger(__name__)
 
-# The files the predibase SDK expects URLs for, whichever it has (API.md section 1).
+# The files the predibase SDK expects URLs for, whichever it has (docs/api.md section 1).
 STANDARD_UPLOAD_FILES = ("adapter_config.json", "adapter_model.bin", "adapter_model.safetensors")
 UPLOAD_ROUTE = "/v2/adapters/upload/files"
 

@@ -63,9 +63,12 @@ def _version() -> str:
 
 @router.get("/health", response_model=Health, responses=error_responses(503))
 async def health(request: Request) -> Response:
+    """200 while new work is accepted; 503 when the engine is not running, or while draining (so
+    that a load balancer stops sending work before the listening socket closes)."""
     state = server_state(request)
-    is_alive = state.async_engine is not None and state.async_engine.is_running
-    if not is_alive or state.admission.is_draining:
+    if state.admission.is_draining:
+        return JSONResponse(error_body("healthcheck", "draining: the server is shutting down"), 503)
+    if state.async_engine is None or not state.async_engine.is_running:
         return JSONResponse(error_body("healthcheck", "engine is not ready"), 503)
     return JSONResponse({"status": "ok"})
 

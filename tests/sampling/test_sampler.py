@@ -64,12 +64,14 @@ def test_random_seed_is_reported_and_reproduces(info: TokenizerInfo) -> None:
     assert SamplingState(SamplingParams(temperature=0.0, top_k=5), PROMPT, info).seed is None
 
 
-def test_best_of_candidate_i_uses_seed_plus_i(info: TokenizerInfo) -> None:
-    candidate = SamplingState(SamplingParams(do_sample=True, seed=100, best_of=3), PROMPT, info, candidate_index=2)
-    alone = SamplingState(SamplingParams(do_sample=True, seed=102), PROMPT, info)
-    assert candidate.seed == 102
+def test_best_of_candidates_draw_their_own_reported_seeds(info: TokenizerInfo) -> None:
+    # best_of > 1 takes no seed (TGI's rule): each candidate draws one, reported to replay it alone.
+    params = SamplingParams(do_sample=True, best_of=3)
+    candidates = [SamplingState(params, PROMPT, info) for _ in range(3)]
+    assert len({c.seed for c in candidates}) == 3 and None not in {c.seed for c in candidates}
+    alone = SamplingState(SamplingParams(do_sample=True, seed=candidates[2].seed), PROMPT, info)
     logits = torch.randn(4, VOCAB)
-    assert Sampler().sample(logits[:1], [candidate]).token_ids == Sampler().sample(logits[:1], [alone]).token_ids
+    assert Sampler().sample(logits[:1], [candidates[2]]).token_ids == Sampler().sample(logits[:1], [alone]).token_ids
 
 
 def test_logprob_is_log_softmax_of_the_processed_scores(info: TokenizerInfo) -> None:

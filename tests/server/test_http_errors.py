@@ -1,4 +1,4 @@
-"""Every refusal over real HTTP has its status and the `{error, error_type}` body (API.md 6, 7)."""
+"""Every refusal over real HTTP has its status and the `{error, error_type}` body (docs/api.md 6, 7)."""
 from __future__ import annotations
 
 import httpx
@@ -68,6 +68,8 @@ def test_the_token_is_never_echoed_or_logged(live, caplog) -> None:
     (b'{"inputs": "hi", "parameters": {"stop": ["a", "b", "c", "d", "e"]}}', 422, "validation", "stop"),
     (b'{"inputs": "hi", "parameters": {"best_of": 2}}', 422, "validation", "best_of"),
     (b'{"inputs": "hi", "parameters": {"seed": -1}}', 422, "validation", "seed"),
+    (b'{"inputs": "hi", "parameters": {"best_of": 2, "do_sample": true, "seed": 3}}', 422, "validation",
+     "seed"),
     (b'{"inputs": "hi", "parameters": {"adapter_id": "../repo/1"}}', 422, "validation", "adapter_id"),
 ])
 def test_malformed_bodies_and_bad_values(live, content: bytes, status: int, error_type: str,

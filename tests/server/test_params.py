@@ -33,15 +33,16 @@ def test_explicit_nulls_give_the_defaults() -> None:
 
 def test_every_spec_parameter_reaches_sampling_params() -> None:
     body = {"best_of": 2, "details": True, "decoder_input_details": True, "do_sample": True,
-            "max_new_tokens": 7, "repetition_penalty": 1.3, "return_full_text": True, "seed": 5,
+            "max_new_tokens": 7, "repetition_penalty": 1.3, "return_full_text": True,
             "stop": ["x"], "temperature": 0.7, "top_k": 9, "top_p": 0.9, "truncate": 11,
             "typical_p": 0.8, "watermark": True, "ignore_eos_token": True, "schema": '{"type":"object"}'}
     expected = SamplingParams(best_of=2, details=True, decoder_input_details=True, do_sample=True,
                               max_new_tokens=7, repetition_penalty=1.3, return_full_text=True,
-                              seed=5, stop=("x",), temperature=0.7, top_k=9, top_p=0.9, truncate=11,
+                              stop=("x",), temperature=0.7, top_k=9, top_p=0.9, truncate=11,
                               typical_p=0.8, watermark=True, ignore_eos_token=True,
                               schema='{"type":"object"}')
     assert params(body) == expected
+    assert params({"seed": 5, "do_sample": True}).seed == 5  # seed goes with best_of 1 only
 
 
 def test_both_penalty_spellings_and_the_correct_one_wins() -> None:
@@ -62,6 +63,7 @@ def test_schema_forms_become_one_json_string(body: dict) -> None:
     ({"best_of": 2, "do_sample": True}, True, "best_of"),
     ({"decoder_input_details": True}, True, "decoder_input_details"),
     ({"best_of": 2}, False, "best_of"),
+    ({"best_of": 2, "do_sample": True, "seed": 3}, False, "seed"),
     ({"temperature": -0.5}, False, "temperature"),
     ({"top_p": 1.5}, False, "top_p"),
     ({"schema": "{}", "response_format": {"type": "json_object"}}, False, "schema"),

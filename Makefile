@@ -36,4 +36,5 @@ serve: model
 
 test: model
 	bash scripts/ensure_postgres.sh
+	bash scripts/ensure_chromium.sh
 	$(PY) -m pytest -q -n 2 --dist loadgroup

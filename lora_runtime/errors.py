@@ -1,4 +1,4 @@
-"""Typed errors of the engine. Each carries the `error_type` of the wire API (API.md section 6) and
+"""Typed errors of the engine. Each carries the `error_type` of the wire API (docs/api.md section 6) and
 the HTTP status the server answers with, so library users and HTTP users see the same failures."""
 from __future__ import annotations
 
@@ -48,11 +48,6 @@ class AdapterInvalidError(EngineError):
 class AdapterUnavailableError(EngineError):
     error_type = "adapter_unavailable"
     status_code = 424
-
-
-class OverloadedError(EngineError):
-    error_type = "overloaded"
-    status_code = 429
 
 
 class RequestAbortedError(EngineError):

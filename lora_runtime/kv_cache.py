@@ -91,6 +91,3 @@ class KVCacheManager:
         table = self._block_tables.pop(request_id, None)
         if table:
             self.allocator.release(table)
-
-    def has_blocks(self, request_id: str) -> bool:
-        return request_id in self._block_tables

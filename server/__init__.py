@@ -1,4 +1,4 @@
 """The HTTP service: protocol models (`protocol`), parameters to the engine (`params`), the asyncio
 bridge (`bridge`, `streaming`), routes (`routes/`), tenants, tokens and deployments (`tenancy`,
 `deployments`, `auth`, `db`), metrics, the app (`app`), the client library (`client`) and the
-command line (`__main__`, the only reader of environment variables)."""
+command line (`__main__`, the service's only reader of environment variables)."""

@@ -5,7 +5,8 @@
     python -m server tokens create --tenant NAME
     python -m server tenants list
 
-The only module that reads environment variables: `DATABASE_URL` (any SQLAlchemy URL; default
+The only module of the service that reads environment variables (docs/architecture.md lists the
+others of the project): `DATABASE_URL` (any SQLAlchemy URL; default
 SQLite in the data directory). On a first start with an empty database it creates tenant `demo`,
 prints its token once and writes it to `DIR/demo-token`, and registers the demo adapters
 (`demo_adapters/<name>/`) as its repos `<name>` version 1. S3 credentials come from the standard AWS

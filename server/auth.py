@@ -1,4 +1,4 @@
-"""Bearer-token authentication (API.md section 7): the token names a tenant, and the path's tenant
+"""Bearer-token authentication (docs/api.md section 7): the token names a tenant, and the path's tenant
 must be that tenant. Messages never echo the token."""
 from __future__ import annotations
 

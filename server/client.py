@@ -19,10 +19,17 @@ from typing import Any
 
 import httpx
 
-from lora_runtime.adapters.sources.download import ADAPTER_FILES
 from server.protocol import GenerateResponse, StreamResponse
 
 _CHECKPOINT_DIR = re.compile(r"checkpoint-[0-9]{1,9}")
+# The file names the registry accepts in an upload: lora_runtime.adapters.sources.download's
+# ADAPTER_FILES, restated because importing the engine's package needs torch, which callers of this
+# library need not have (tests/wiring/test_packaging.py keeps the two equal).
+ADAPTER_FILES = frozenset((
+    "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin",
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+    "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+))
 
 
 class ApiError(Exception):
@@ -133,7 +140,7 @@ class _Base:
 
 
 class Client(_Base):
-    """Blocking client; `parameters` are the wire names of spec 2.4 (`max_new_tokens=...`)."""
+    """Blocking client; `parameters` are the wire names of docs/api.md section 2 (`max_new_tokens=...`)."""
 
     def generate(self, inputs: str, **parameters: Any) -> GenerateResponse:
         with httpx.Client(timeout=self.timeout_s) as http:

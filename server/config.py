@@ -1,5 +1,5 @@
-"""The HTTP service's settings: one frozen dataclass, filled by `server.__main__` (the only place that
-reads environment variables) or by tests."""
+"""The HTTP service's settings: one frozen dataclass, filled by `server.__main__` (the service's only
+reader of environment variables) or by tests."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,7 +16,7 @@ class ServerConfig:
     `max_in_flight` bounds the requests admitted to the engine at once (past it: 429 at once);
     `max_body_bytes` bounds a request body (past it: 413 before the body is read whole).
 
-    Adapter sources (API.md section 3) come only from here, never from a request: `hub_endpoint`
+    Adapter sources (docs/api.md section 3) come only from here, never from a request: `hub_endpoint`
     (None: hub adapters answer 424 adapter_unavailable), `s3_endpoint` (None: AWS itself; the
     credentials come from the standard AWS chain), `adapter_dir` (None: no `local` source).
     The registry keeps blobs under `data_dir/blobs`, or in `registry_bucket` when set (on the same

@@ -1,4 +1,4 @@
-"""Pydantic models of the wire format (spec sections 2.3-2.7, API.md sections 2, 4, 5).
+"""Pydantic models of the wire format (docs/api.md sections 2, 4, 5).
 
 Requests: every optional field accepts an explicit JSON `null` and unknown fields are ignored (the
 official clients send nulls and fields of their own). Types are strict, so a string where a number
@@ -43,7 +43,8 @@ class GenerateParameters(_Request):
     do_sample: bool | None = None
     max_new_tokens: int | None = None
     repetition_penalty: float | None = None
-    # The spec's parameter table spells it this way; the correct spelling wins when both are sent.
+    # The original interface's parameter table spells it this way; the correct spelling wins when
+    # both are sent (docs/api.md section 2).
     repitition_penalty: float | None = None
     return_full_text: bool | None = None
     seed: int | None = None

@@ -1,4 +1,4 @@
-"""Engine outputs to wire bodies, SSE events and the `x-*` headers (API.md sections 4 and 5)."""
+"""Engine outputs to wire bodies, SSE events and the `x-*` headers (docs/api.md sections 4 and 5)."""
 from __future__ import annotations
 
 import json

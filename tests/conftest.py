@@ -7,7 +7,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-# Under contention two threads made small ops ~300x slower (SEMANTICS.md, "Tests on CPU").
+# Under contention two threads made small ops ~300x slower (docs/semantics.md, "Tests on CPU").
 torch.set_num_threads(1)
 
 

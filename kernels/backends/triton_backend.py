@@ -3,7 +3,6 @@ tensors under the Triton interpreter, `TRITON_INTERPRET=1`, which is how CI runs
 PyTorch backend's ops for the rest (cuBLAS matmuls, elementwise ops)."""
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
@@ -18,7 +17,10 @@ class TritonBackend(TorchBackend):
     name = "triton"
 
     def __init__(self, device: torch.device) -> None:
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        # Imported here, not at the top: triton is an optional dependency of CPU-only installs.
+        from kernels.triton_utils import is_interpreter
+
+        if device.type != "cuda" and not is_interpreter():
             # Launched on CPU outside the interpreter Triton fails with "0 active drivers".
             raise RuntimeError("the Triton backend on CPU tensors needs the Triton interpreter: set "
                                "TRITON_INTERPRET=1 before kernels is imported")

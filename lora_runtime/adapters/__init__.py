@@ -3,7 +3,7 @@ device slot pool. The engine wires these together; nothing here knows about requ
 from lora_runtime.adapters.cache import AdapterCache
 from lora_runtime.adapters.merge import MergedAdapters, merge_lora_weights
 from lora_runtime.adapters.peft_format import load_peft_adapter
-from lora_runtime.adapters.refs import AdapterRef, AdapterSource, LocalSource, parse_adapter_ref
+from lora_runtime.adapters.refs import AdapterRef, LocalSource, parse_adapter_ref
 from lora_runtime.adapters.slots import PROJECTION_SLICES, AdapterSlotPool
 from lora_runtime.adapters.weights import (
     MODULE_NAMES,
@@ -20,7 +20,6 @@ __all__ = [
     "AdapterLimits",
     "AdapterRef",
     "AdapterSlotPool",
-    "AdapterSource",
     "BaseModelShape",
     "LocalSource",
     "LoraModuleWeights",

@@ -56,12 +56,6 @@ class AdapterRequest:
             return f"merge:{self.scope}:{credential}:{self.version_key}:{described}"
         return f"{self.adapter.source}:{self.scope}:{credential}:{self.version_key}:{self.adapter.adapter_id}"
 
-    @property
-    def display_id(self) -> str:
-        if isinstance(self.adapter, MergedAdapters):
-            return "merge(" + ",".join(self.adapter.ids) + ")"
-        return self.adapter.adapter_id
-
 
 class AdapterManager:
     def __init__(

@@ -34,7 +34,7 @@ DARE_SEED = 0
 
 @dataclass(frozen=True, slots=True)
 class MergedAdapters:
-    """A request for the merge of several adapters (API.md section 3, `merged_adapters`).
+    """A request for the merge of several adapters (docs/api.md section 3, `merged_adapters`).
 
     `weights` defaults to 1.0 per id and is stored resolved, so two equal descriptions compare and
     hash equal: the instance itself is the merge cache key. `density` is the fraction of values kept

@@ -1,6 +1,6 @@
 """Adapter references: parse and validate `adapter_id` (+ `adapter_source`), and the `local` source.
 
-Source inference (API.md section 3): `<repo>/<int>[@<int>]` is `pbase`, `s3://...` is `s3`,
+Source inference (docs/api.md section 3): `<repo>/<int>[@<int>]` is `pbase`, `s3://...` is `s3`,
 anything else `hub`; `local` only when enabled. For the library (`allow_local=True`), a reference
 that names an existing local directory is that directory, so `engine.generate(...,
 adapters=["./my_adapter"])` works out of the box.
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 from lora_runtime.adapters.peft_format import CONFIG_FILE
 from lora_runtime.adapters.sources import ids
@@ -33,14 +32,6 @@ class AdapterRef:
     name: str
     version: int | None = None
     revision: str | None = None
-
-
-class AdapterSource(Protocol):
-    """Where adapters come from. `resolve` returns a local directory holding the adapter's PEFT
-    files (downloading it first if needed), or raises AdapterNotFoundError (404),
-    AdapterAccessError (403) or AdapterUnavailableError (424)."""
-
-    def resolve(self, ref: AdapterRef, api_token: str | None) -> Path: ...
 
 
 def parse_adapter_ref(

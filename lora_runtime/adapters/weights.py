@@ -58,10 +58,6 @@ class LoraWeights:
             for tensor in (module.lora_a, module.lora_b)
         )
 
-    @property
-    def layer_indices(self) -> frozenset[int]:
-        return frozenset(layer_idx for layer_idx, _ in self.modules)
-
 
 @dataclass(frozen=True, slots=True)
 class BaseModelShape:

@@ -1,9 +1,9 @@
 """The logits chain, batched over rows that each carry their own parameters.
 
-Order (TGI's, SEMANTICS.md): watermark, repetition penalty, schema mask, temperature, top_k, top_p,
-typical_p. Each step is one vectorised call over the rows that need it (per-row parameter tensors);
-rows that need nothing are never touched, so an all-greedy batch with no penalties costs only the
-Python loop that finds out there is nothing to do.
+Order (TGI's, docs/semantics.md): watermark, repetition penalty, schema mask, temperature, top_k,
+top_p, typical_p. Each step is one vectorised call over the rows that need it (per-row parameter
+tensors); rows that need nothing are never touched, so an all-greedy batch with no penalties costs
+only the Python loop that finds out there is nothing to do.
 
 Every warper reproduces the arithmetic of the transformers processor of the same name for one row,
 so those processors are the oracles (tests/sampling/test_processors.py).

@@ -1,9 +1,9 @@
 """When a request stops: max tokens, EOS, stop strings.
 
-Order of the checks after each token (API.md, SEMANTICS.md): length first, then EOS (unless
-`ignore_eos_token`), then stop strings. A stop string is found in the decoded text, also when it spans
-several tokens or ends inside a token (TGI only sees one that ends exactly at a token boundary); the
-token that completes it is kept, so the stop text stays in the output.
+Order of the checks after each token (docs/api.md section 2, docs/semantics.md): length first,
+then EOS (unless `ignore_eos_token`), then stop strings. A stop string is found in the decoded text,
+also when it spans several tokens or ends inside a token (TGI only sees one that ends exactly at a
+token boundary); the token that completes it is kept, so the stop text stays in the output.
 """
 from __future__ import annotations
 

@@ -1,1 +1,3 @@
-"""HTTP routes: inference (`inference.py`) and service-wide endpoints (`service.py`)."""
+"""HTTP routes: inference (`inference.py`), service-wide endpoints (`service.py`), the control plane
+(`control.py`), the adapter registry (`registry.py`), the OpenAPI document (`openapi.py`) and its
+offline docs pages (`docs.py`)."""

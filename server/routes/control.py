@@ -1,5 +1,5 @@
 """The control-plane routes about the caller and deployments, shaped like the Predibase REST paths
-the `predibase` SDK calls (API.md section 1): `GET /users/current`, `GET /v2/deployments/{name}`.
+the `predibase` SDK calls (docs/api.md section 1): `GET /users/current`, `GET /v2/deployments/{name}`.
 Tokens belong to tenants, so the "user" is the tenant itself."""
 from __future__ import annotations
 

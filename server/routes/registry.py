@@ -1,4 +1,4 @@
-"""The adapter registry routes of API.md section 1, shaped like the Predibase REST paths the
+"""The adapter registry routes of docs/api.md section 1, shaped like the Predibase REST paths the
 `predibase` SDK calls: repos, versions, and the three-step upload. A thin layer over
 `server.registry`: each route authenticates the caller (its tenant scopes everything), reads its
 body, and runs the service call in a worker thread (database and blob I/O block).

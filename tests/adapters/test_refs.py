@@ -1,4 +1,4 @@
-"""Adapter references: source inference (API.md section 3), strict id validation, local source."""
+"""Adapter references: source inference (docs/api.md section 3), strict id validation, local source."""
 from __future__ import annotations
 
 from pathlib import Path

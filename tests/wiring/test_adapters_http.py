@@ -1,5 +1,5 @@
 """Requests naming adapters from every source, over real HTTP: the tokens equal HF + PEFT's on the
-same adapter files, each failure of API.md section 3 has its status and error_type, and the
+same adapter files, each failure of docs/api.md section 3 has its status and error_type, and the
 `x-adapter-*` headers name what was asked for."""
 from __future__ import annotations
 

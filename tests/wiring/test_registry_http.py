@@ -1,6 +1,6 @@
 """The registry over HTTP: `server.client` uploads (sync and async) become pbase versions that
 generate as PEFT computes them, checkpoints address `repo/N@C`, bad uploads create nothing,
-concurrent uploads get consecutive versions, and the repo and version routes of API.md section 1."""
+concurrent uploads get consecutive versions, and the repo and version routes of docs/api.md section 1."""
 from __future__ import annotations
 
 import asyncio

@@ -113,11 +113,6 @@ class AdapterStore:
                 shutil.rmtree(staging, ignore_errors=True)
         return final
 
-    def evict(self, key: tuple[str, ...]) -> None:
-        """Removes a key's directory (after its source was deleted, or to reclaim disk)."""
-        with self._lock_for(key):
-            shutil.rmtree(self.path_for(key), ignore_errors=True)
-
     def _lock_for(self, key: tuple[str, ...]) -> threading.Lock:
         with self._locks_guard:
             return self._locks.setdefault(key, threading.Lock())

@@ -99,7 +99,7 @@ class _SilentProgress(tqdm):
 
 
 def _typed_error(error: Exception, adapter_id: str) -> EngineError:
-    """The API.md section 3 error for a hub failure; messages name the id, never URLs or tokens."""
+    """The docs/api.md section 3 error for a hub failure; messages name the id, never URLs or tokens."""
     if isinstance(error, GatedRepoError):
         return AdapterAccessError(f"hub adapter {adapter_id!r} is gated: the api_token's account has no access")
     if isinstance(error, RevisionNotFoundError):

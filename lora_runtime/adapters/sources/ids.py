@@ -88,7 +88,7 @@ def parse_s3_id(adapter_id: str) -> S3Id:
 
 
 def infer_source(adapter_id: str) -> str:
-    """The source an id names when the request gives none (API.md section 3)."""
+    """The source an id names when the request gives none (docs/api.md section 3)."""
     if adapter_id.startswith("s3://"):
         return "s3"
     if _PBASE_FORM.fullmatch(adapter_id):

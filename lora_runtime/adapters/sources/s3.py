@@ -123,7 +123,7 @@ def _fingerprint(s3_id: S3Id, listing: list[tuple[RemoteFile, str]]) -> str:
 
 
 def _typed_error(error: Exception, adapter_id: str) -> EngineError:
-    """The API.md section 3 error for an S3 failure; messages name the id, never keys or endpoints."""
+    """The docs/api.md section 3 error for an S3 failure; messages name the id, never keys or endpoints."""
     if isinstance(error, NoCredentialsError):
         return AdapterAccessError(f"the server has no S3 credentials to read adapter {adapter_id!r}")
     if isinstance(error, ClientError):

@@ -13,10 +13,10 @@ and the adapters are held as the engine's pool holds them (fp32 on CPU, lora_b's
 `triton.testing.do_bench`, on CPU with `time.perf_counter`. Prints a table and writes JSON
 and a PNG plot to benchmarks/results/.
 
-Projections: bf16 SmolLM2 shapes at 1-256 rows, each call on the next of 8 copies of the weight
-(the copies exceed the L2 cache, as a decode step's 30 layers do), `kernels.linear.linear_packed`
-with each kernel this CPU's form runs against oneDNN's prepacked matmul (which the CPU backend keeps
-on AMX above `tuning.AMX_LINEAR_MAX_ROWS`)."""
+Projections: SmolLM2 shapes at 1-256 rows, each call on the next of 8 copies of the weight (the
+copies exceed the L2 cache, as a decode step's 30 layers do), `kernels.linear.linear_packed` with
+each kernel this CPU's form runs against the library: oneDNN's prepacked bf16 matmul (which the CPU
+backend keeps on AMX above `tuning.AMX_LINEAR_MAX_ROWS`), F.linear (MKL's sgemm) in float32."""
 from __future__ import annotations
 
 import argparse
@@ -34,7 +34,7 @@ import torch
 
 import kernels
 from kernels import cpu_ops
-from kernels.linear import available_kinds, linear_packed, pack_linear_weight
+from kernels.linear import KIND_DTYPES, available_kinds, linear_packed, pack_linear_weight
 from kernels.lora.layouts import LoraProjection
 
 LOG = logging.getLogger("benchmarks.kernels")
@@ -185,23 +185,29 @@ def bench_attention(dtype: torch.dtype, backend: kernels.Backend, timer) -> list
 
 
 def bench_projections(timer) -> list[dict]:
-    """Each compiled matmul this CPU runs (`kernels.linear.available_kinds`) against oneDNN prepacked,
-    per call, weights cycled over 8 copies; [] where there is none."""
+    """Each compiled matmul of the active form (`kernels.linear.available_kinds`) against the library
+    the backend would call otherwise: oneDNN prepacked for the bf16 ones, F.linear (MKL's sgemm) for
+    the float32 one; per call, weights cycled over 8 copies; [] where there is none."""
     rows = []
     for in_features, out_features in [(576, 3072), (1536, 576), (576, 49152)]:
-        weights = [torch.randn(out_features, in_features, dtype=torch.bfloat16) for _ in range(8)]
-        onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
         for kind in available_kinds():
+            dtype = KIND_DTYPES[kind]
+            weights = [torch.randn(out_features, in_features, dtype=dtype) for _ in range(8)]
+            library = _library_matmul(weights)
             packed = [pack_linear_weight(w, kind) for w in weights]
             for num_rows in (1, 16, 64, 96, 128, 256):
-                x = torch.randn(num_rows, in_features, dtype=torch.bfloat16)
-                timings = timer({
-                    "compiled": lambda: [linear_packed(x, p) for p in packed],
-                    "onednn": lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in onednn],
-                })
+                x = torch.randn(num_rows, in_features, dtype=dtype)
+                timings = timer({"compiled": lambda: [linear_packed(x, p) for p in packed], "library": lambda: library(x)})
                 rows.append({"kind": kind, "in": in_features, "out": out_features, "rows": num_rows,
-                             "compiled_s": timings["compiled"]["min"] / 8, "onednn_s": timings["onednn"]["min"] / 8})
+                             "compiled_s": timings["compiled"]["min"] / 8, "library_s": timings["library"]["min"] / 8})
     return rows
+
+
+def _library_matmul(weights: list[torch.Tensor]) -> Callable[[torch.Tensor], object]:
+    if weights[0].dtype == torch.float32:
+        return lambda x: [torch.nn.functional.linear(x, w) for w in weights]
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
+    return lambda x: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in onednn]
 
 
 def _paged_batch(q_lens, seq_lens, dtype, device, gen):
@@ -296,8 +302,8 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
                  r["per_layer_s"] * 1e6, r["plan_build_s"] * 1e6, r["per_step_30_layers_s"] * 1e3)  # fmt: skip
     projections = bench_projections(timer) if device.type == "cpu" else []
     for r in projections:
-        LOG.info("projection %4d -> %5d, %3d rows: %s %7.0f us  oneDNN %7.0f us  (%.2fx)", r["in"], r["out"], r["rows"],
-                 r["kind"], r["compiled_s"] * 1e6, r["onednn_s"] * 1e6, r["onednn_s"] / r["compiled_s"])  # fmt: skip
+        LOG.info("projection %4d -> %5d, %3d rows: %s %7.0f us  library %7.0f us  (%.2fx)", r["in"], r["out"],
+                 r["rows"], r["kind"], r["compiled_s"] * 1e6, r["library_s"] * 1e6, r["library_s"] / r["compiled_s"])  # fmt: skip
     RESULTS_DIR.mkdir(exist_ok=True)
     stem = f"kernels_{device.type}_{args.dtype}_{args.threads}t{'_quick' if args.quick else ''}"
     environment = {"torch": torch.__version__, "threads": args.threads, "dtype": args.dtype, "backend": backend.label,

@@ -19,7 +19,7 @@
 #include "ops.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <immintrin.h>
+#include "amx_tiles.h"
 
 namespace cpu_ops {
 namespace {
@@ -27,14 +27,6 @@ namespace {
 constexpr int64_t kBlock = 32;  // rows (two A tiles) and columns (two B tiles) per output block
 constexpr int64_t kKStep = 32;  // bf16 elements of K per tile row (64 bytes)
 constexpr int64_t kPackedStep = 2 * 16 * 32;  // bf16 elements of the two B tiles of one k-step
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // Tiles 0-3: the output block's accumulators (row tile i, column tile j at 2 * i + j); 4-5: the two
 // row tiles of x; 6-7: the two column tiles of W.
@@ -88,12 +80,7 @@ void amx_linear(const LinearArgs& args, int64_t begin, int64_t end) {
   const uint16_t* x = static_cast<const uint16_t*>(args.x);
   const uint16_t* packed = static_cast<const uint16_t*>(args.packed);
   uint16_t* out = static_cast<uint16_t*>(args.out);
-  TileConfig config;  // tile state is per thread: configure it in each range
-  for (int t = 0; t < 8; ++t) {
-    config.rows[t] = 16;
-    config.bytes_per_row[t] = 64;
-  }
-  _tile_loadconfig(&config);
+  configure_full_tiles();  // tile state is per thread: configure it in each range
   alignas(64) float block[kBlock * kBlock];
   for (int64_t nb = begin; nb < end; ++nb) {
     const uint16_t* b_block = packed + nb * k_steps * kPackedStep;

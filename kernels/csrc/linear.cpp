@@ -14,6 +14,7 @@
 // and the next group's weights are requested while this one computes.
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "convert.h"
 #include "gemm_tiles.h"
@@ -23,9 +24,6 @@
 
 namespace cpu_ops {
 namespace {
-
-constexpr int kF32Rows = kF32TileRows;
-constexpr int kF32Blocks = kF32TileBlocks;
 
 // The shared loop over column groups and row tiles; `tile(rows, blocks, x_rows, b_group, fetch, c)`
 // computes one tile into the float buffer c [kRows, kGroup * 16], `store(row, first_column, c_row,
@@ -48,58 +46,51 @@ void for_each_tile(int64_t rows, int64_t n, int64_t block_bytes, int64_t begin, 
   }
 }
 
-}  // namespace
-
-int64_t f32_linear_groups(int64_t n) { return (n / kBlockColumns + kF32Blocks - 1) / kF32Blocks; }
-
-void f32_linear(const LinearArgs& args, int64_t begin, int64_t end) {
-  const float* x = static_cast<const float*>(args.x);
-  const float* packed = static_cast<const float*>(args.packed);
-  float* out = static_cast<float*>(args.out);
-  const int64_t k = args.k, block_elements = k * kBlockColumns;
-  for_each_tile<kF32Rows, kF32Blocks>(
-      args.rows, args.n, block_elements * 4, begin, end,
+// The matmul over weights of W (float, or bf16 bits): x and out of W too, the float32 tile rounded once.
+template <typename W, int kRows, int kBlocks>
+void linear(const LinearArgs& args, int64_t begin, int64_t end) {
+  constexpr bool kFloat = std::is_same_v<W, float>;
+  const W* x = static_cast<const W*>(args.x);
+  const W* packed = static_cast<const W*>(args.packed);
+  W* out = static_cast<W*>(args.out);
+  const int64_t k = args.k, block_elements = k * kBlockColumns, steps = kFloat ? k : k / 2;
+  for_each_tile<kRows, kBlocks>(
+      args.rows, args.n, block_elements * static_cast<int64_t>(sizeof(W)), begin, end,
       [&](int rows, int blocks, int64_t first_row, int64_t first_block, int64_t first_line, int64_t lines, float* c) {
-        const float* b = packed + first_block * block_elements;
-        const Prefetcher fetch{reinterpret_cast<const char*>(b + blocks * block_elements) + 64 * first_line, lines, k};
+        const W* b = packed + first_block * block_elements;
+        const Prefetcher fetch{reinterpret_cast<const char*>(b + blocks * block_elements) + 64 * first_line, lines, steps};
         with_blocks(blocks, [&]<int NB>() {
           with_rows(rows, [&]<int MR>() {
-            f32_tile<MR, NB>(x + first_row * k, k, b, block_elements, k, fetch, c, kF32Blocks * kBlockColumns);
-          });
-        });
-      },
-      [&](int64_t row, int64_t column, const float* c_row, int64_t width) { std::copy(c_row, c_row + width, out + row * args.n + column); });
-}
-
-#if defined(__AVX512BF16__)
-namespace {
-constexpr int kBf16Rows = kBf16TileRows;
-constexpr int kBf16Blocks = kBf16TileBlocks;
-}  // namespace
-
-int64_t bf16_linear_groups(int64_t n) { return (n / kBlockColumns + kBf16Blocks - 1) / kBf16Blocks; }
-
-void bf16_linear(const LinearArgs& args, int64_t begin, int64_t end) {
-  const uint16_t* x = static_cast<const uint16_t*>(args.x);
-  const uint16_t* packed = static_cast<const uint16_t*>(args.packed);
-  uint16_t* out = static_cast<uint16_t*>(args.out);
-  const int64_t k = args.k, block_elements = k * kBlockColumns;
-  for_each_tile<kBf16Rows, kBf16Blocks>(
-      args.rows, args.n, block_elements * 2, begin, end,
-      [&](int rows, int blocks, int64_t first_row, int64_t first_block, int64_t first_line, int64_t lines, float* c) {
-        const uint16_t* b = packed + first_block * block_elements;
-        const Prefetcher fetch{reinterpret_cast<const char*>(b + blocks * block_elements) + 64 * first_line, lines, k / 2};
-        with_blocks(blocks, [&]<int NB>() {
-          with_rows(rows, [&]<int MR>() {
-            bf16_tile<MR, NB>(x + first_row * k, k, b, block_elements, k / 2, fetch, c, kBf16Blocks * kBlockColumns);
+            if constexpr (kFloat) {
+              f32_tile<MR, NB>(x + first_row * k, k, b, block_elements, steps, fetch, c, kBlocks * kBlockColumns);
+            } else {
+              bf16_tile<MR, NB>(x + first_row * k, k, b, block_elements, steps, fetch, c, kBlocks * kBlockColumns);
+            }
           });
         });
       },
       [&](int64_t row, int64_t column, const float* c_row, int64_t width) {
-        uint16_t* out_row = out + row * args.n + column;
+        W* out_row = out + row * args.n + column;
+        if constexpr (kFloat) {
+          std::copy(c_row, c_row + width, out_row);
+        } else {
 #pragma omp simd
-        for (int64_t col = 0; col < width; ++col) out_row[col] = float_to_bf16_bits(c_row[col]);
+          for (int64_t col = 0; col < width; ++col) out_row[col] = float_to_bf16_bits(c_row[col]);
+        }
       });
+}
+
+}  // namespace
+
+int64_t f32_linear_groups(int64_t n) { return (n / kBlockColumns + kF32TileBlocks - 1) / kF32TileBlocks; }
+
+void f32_linear(const LinearArgs& args, int64_t begin, int64_t end) { linear<float, kF32TileRows, kF32TileBlocks>(args, begin, end); }
+
+#if defined(__AVX512BF16__)
+int64_t bf16_linear_groups(int64_t n) { return (n / kBlockColumns + kBf16TileBlocks - 1) / kBf16TileBlocks; }
+
+void bf16_linear(const LinearArgs& args, int64_t begin, int64_t end) {
+  linear<uint16_t, kBf16TileRows, kBf16TileBlocks>(args, begin, end);
 }
 #endif  // __AVX512BF16__
 

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstring>
 
+#include "amx_tiles.h"
 #include "lora_serve_tuning.h"
 #include "ops.h"
 
@@ -87,23 +88,10 @@ double bf16_dot(int64_t, double) { return 0.0; }
 #endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-struct alignas(64) ProbeTileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Four accumulator tiles (0-3) fed by two A tiles (4, 5) and two B tiles (6, 7): four independent
 // chains, as the AMX matmul's inner loop runs them.
 double amx_bf16(int64_t iterations, double seed) {
-  ProbeTileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.rows[t] = 16;
-    config.bytes_per_row[t] = 64;
-  }
-  _tile_loadconfig(&config);
+  configure_full_tiles();
   alignas(64) uint16_t operand[16 * 32];
   const uint16_t bits = float_to_bf16_bits(static_cast<float>(1e-3 * seed));
   for (uint16_t& value : operand) value = bits;

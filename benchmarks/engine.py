@@ -57,9 +57,12 @@ def make_prompts(tokenizer, count: int, seed: int = 0) -> list[list[int]]:
 
 
 def run_ours(engine: Engine, prompts: list[list[int]], new_tokens: int, adapters=None) -> dict:
+    """One timed `generate`, after a warm-up that loads every adapter of the run (PEFT and llama.cpp
+    load theirs before their clocks start too)."""
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos_token=True)
-    warm_up = [adapters[0]] * 2 if adapters else None
-    engine.generate(prompts[:2], SamplingParams(max_new_tokens=2), adapters=warm_up)
+    warm_up = list(dict.fromkeys(adapters)) if adapters else [None, None]
+    engine.generate([prompts[i % len(prompts)] for i in range(len(warm_up))], SamplingParams(max_new_tokens=2),
+                    adapters=warm_up)
     with Timer() as timer:
         outputs = engine.generate(prompts, params, adapters=adapters)
     assert all(o.error is None for o in outputs), [o.error for o in outputs if o.error]

@@ -30,7 +30,7 @@ import torch
 from benchmarks import llama_cpp
 from benchmarks.engine import make_prompts, median_of_interleaved, run_ours
 from benchmarks.peft_baseline import make_random_adapters, run_peft
-from lora_runtime import Engine, EngineConfig, SamplingParams
+from lora_runtime import Engine, EngineConfig
 from lora_runtime.config import SchedulerConfig
 from lora_runtime.embedded import default_cache_dir, ensure_embedded_model
 
@@ -91,7 +91,6 @@ def _log(name: str, figures: dict) -> None:
 def measure_ours(engine: Engine, workload: Workload, repeats: int) -> dict:
     """W and base on the engine as configured by default (its dtype is the one we ship), each the
     median of `repeats` interleaved runs, as `benchmarks.engine` reports it."""
-    _load_every_adapter(engine, workload)
     adapters = [str(workload.adapter_paths[i]) for i in workload.adapter_of]
     report = median_of_interleaved({
         "W": lambda: run_ours(engine, workload.prompts, workload.new_tokens, adapters),
@@ -101,15 +100,6 @@ def measure_ours(engine: Engine, workload: Workload, repeats: int) -> dict:
     _log(f"ours ({dtype}), W", report["W"])
     _log(f"ours ({dtype}), base", report["base"])
     return report
-
-
-def _load_every_adapter(engine: Engine, workload: Workload) -> None:
-    """`run_ours` warms up on the first adapter only; PEFT and llama.cpp load all theirs before their
-    clocks start, so ours must not read seven adapters from disk inside the timed run."""
-    paths = [str(path) for path in workload.adapter_paths]
-    prompts = [workload.prompts[i % len(workload.prompts)] for i in range(len(paths))]
-    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=1), adapters=paths)
-    assert all(o.error is None for o in outputs), [o.error for o in outputs if o.error]
 
 
 def measure_llama_cpp(model_dir: Path, workload: Workload, outtypes: list[str], threads: int) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
+import os
 import re
 import subprocess
 import sys
@@ -98,3 +99,13 @@ def test_client_uploads_the_files_the_registry_accepts():
     from server import client
 
     assert client.ADAPTER_FILES == download.ADAPTER_FILES
+
+
+def test_the_installed_project_imports_from_any_directory(tmp_path) -> None:
+    """`make install` installs the project (editable) into its environment: the library imports with
+    no help from the current directory or PYTHONPATH (before, only from the repository's root)."""
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    script = "import kernels, lora_runtime, server.app; print(lora_runtime.__name__)"
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "lora_runtime"

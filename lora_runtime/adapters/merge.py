@@ -12,6 +12,11 @@ factors (PEFT's `cat`) makes the rank the sum of the ranks, and PEFT's `*_svd` t
 out x in SVD per module per merge (seconds per layer on CPU) and only approximate the merged delta.
 So different ranks are refused with a 422 that says so.
 
+A duplicated id is allowed and is not the same as one entry with the summed weight: its A is added
+twice and so is its B, so with weights w1, w2 >= 0 its delta is (sqrt(w1) + sqrt(w2))^2 * s * B @ A,
+not (w1 + w2) * s * B @ A (PEFT merges a repeated name the same way). `distinct_ids` lets the loader
+read each adapter once all the same.
+
 DARE's random masks come from a dedicated generator seeded with `seed`, drawn in module order
 (layer, then q/k/v/o/gate/up/down), A before B, adapters in request order: the same merge gives the
 same weights every time, and the draws match PEFT's `merge_utils` seeded the same way."""
@@ -30,6 +35,18 @@ from lora_runtime.errors import AdapterIncompatibleError, ValidationError
 MERGE_STRATEGIES = ("linear", "ties", "dare_linear", "dare_ties")
 MAJORITY_SIGN_METHODS = ("total", "frequency")
 DARE_SEED = 0
+# What LoRAX and PEFT users merge is a handful of adapters (2-5 in their docs and issues); 32 leaves
+# room for task-arithmetic experiments while bounding a merge's loads and its O(ids) factor sums.
+# Raising it trades request cost (one load and one weighted sum per id) for nothing seen in practice.
+MAX_MERGED_ADAPTERS = 32
+# Weights enter the factors as sqrt(|w*s|) on A and on B, so the merged delta grows linearly in |w|.
+# Realistic factors (|A|, |B| <~ 1, s = alpha/r <~ 64, r <= 64) merged 32 at a time at |w| = 100
+# give factor values <~ 32 * sqrt(100 * 64) ~ 2.6e3 (inside even fp16's 65504) and delta entries
+# <~ 64 * 2.6e3**2 ~ 4e8, far inside fp32's and bf16's 3.4e38. The delta alone would stay finite up
+# to |w| ~ 1e29; what fails first is the forward pass, where every adapted layer's update is |w|
+# times what the adapter was trained to add and SwiGLU squares it (the issue's 1e10 gave garbage,
+# 1e30 NaN logits). Weights people use are within [-2, 2]; 100 refuses none of them.
+MAX_MERGE_WEIGHT = 100.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +68,11 @@ class MergedAdapters:
             raise ValidationError("merged_adapters.ids", "must be a non-empty list of adapter ids")
         if not all(isinstance(adapter_id, str) and adapter_id for adapter_id in self.ids):
             raise ValidationError("merged_adapters.ids", "every id must be a non-empty string")
+        if len(self.ids) > MAX_MERGED_ADAPTERS:
+            raise ValidationError(
+                "merged_adapters.ids",
+                f"at most {MAX_MERGED_ADAPTERS} adapters can be merged, got {len(self.ids)}",
+            )
         object.__setattr__(self, "ids", tuple(self.ids))
         object.__setattr__(self, "weights", self._resolved_weights())
         if self.merge_strategy not in MERGE_STRATEGIES:
@@ -78,7 +100,17 @@ class MergedAdapters:
             )
         if not all(_is_finite_number(weight) for weight in self.weights):
             raise ValidationError("merged_adapters.weights", "every weight must be a finite number")
+        if any(abs(weight) > MAX_MERGE_WEIGHT for weight in self.weights):
+            bound = f"{MAX_MERGE_WEIGHT:g}"
+            raise ValidationError(
+                "merged_adapters.weights", f"every weight must be within [-{bound}, {bound}]"
+            )
         return tuple(float(weight) for weight in self.weights)
+
+    @property
+    def distinct_ids(self) -> tuple[str, ...]:
+        """`ids` in first-appearance order, each once: the adapters to load."""
+        return tuple(dict.fromkeys(self.ids))
 
 
 def merge_lora_weights(
@@ -87,7 +119,8 @@ def merge_lora_weights(
     """Merge `adapters` (loaded in the order of `spec.ids`) as `spec` says; factors in fp32.
 
     Raises:
-        AdapterIncompatibleError: adapters that share a module with different ranks there.
+        AdapterIncompatibleError: adapters that share a module with different ranks there, or
+            merged factors that overflow fp32 (huge values in the adapters times the weights).
     """
     assert len(adapters) == len(spec.ids)
     # As in PEFT, a single adapter is only ever scaled: pruning needs something to merge with.
@@ -105,6 +138,7 @@ def merge_lora_weights(
         merge_args = (strategy, spec.density, spec.majority_sign_method, generator)
         lora_a = _merge_factor([module.lora_a for module, _ in present], weights_a, *merge_args)
         lora_b = _merge_factor([module.lora_b for module, _ in present], weights_b, *merge_args)
+        _check_finite(key, lora_a, lora_b)
         modules[key] = LoraModuleWeights(lora_a, lora_b, 1.0)
     return LoraWeights(modules, adapters[0].base_model_name)
 
@@ -123,6 +157,17 @@ def _check_equal_ranks(
         raise AdapterIncompatibleError(
             f"merged_adapters.ids: adapters of different ranks {ranks} (layer {layer_idx} {name}) "
             f"cannot be merged factor-wise; merge adapters of equal rank ({', '.join(ids)})"
+        )
+
+
+def _check_finite(key: ModuleKey, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
+    # Loaded factors are finite, but finite factors times weights within the bound can still
+    # overflow fp32 when an adapter holds huge values; refuse before any slot or forward sees inf.
+    if not (torch.isfinite(lora_a).all() and torch.isfinite(lora_b).all()):
+        layer_idx, name = key
+        raise AdapterIncompatibleError(
+            f"merged_adapters.weights: the merged factors of layer {layer_idx} {name} overflow; "
+            f"these adapters cannot be merged with these weights"
         )
 
 

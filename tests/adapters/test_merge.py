@@ -15,7 +15,8 @@ from peft import LoraConfig, PeftModel
 from peft.tuners.lora import LoraLayer
 
 from lora_runtime.adapters import AdapterLimits, LoraWeights, MergedAdapters, load_peft_adapter
-from lora_runtime.adapters.merge import merge_lora_weights
+from lora_runtime.adapters.merge import MAX_MERGE_WEIGHT, MAX_MERGED_ADAPTERS, merge_lora_weights
+from lora_runtime.adapters.weights import LoraModuleWeights
 from lora_runtime.errors import AdapterIncompatibleError, ValidationError
 from tests.adapters.peft_factory import peft_model, randomize_lora, save_adapter, tiny_shape
 
@@ -131,6 +132,14 @@ def test_different_ranks_are_refused(tiny_base, tmp_path: Path, ours) -> None:
         (dict(ids=["a", ""]), "merged_adapters.ids"),
         (dict(ids=["a", "b"], weights=[1.0]), "merged_adapters.weights"),
         (dict(ids=["a"], weights=[float("nan")]), "merged_adapters.weights"),
+        (dict(ids=["a"], weights=[float("inf")]), "merged_adapters.weights"),
+        (dict(ids=["a", "b"], weights=[1.0, float("-inf")]), "merged_adapters.weights"),
+        (dict(ids=["a"], weights=[1e30]), "merged_adapters.weights"),
+        (dict(ids=["a"], weights=[1e10]), "merged_adapters.weights"),
+        (dict(ids=["a", "b"], weights=[0.5, -1e10]), "merged_adapters.weights"),
+        (dict(ids=["a"], weights=[MAX_MERGE_WEIGHT * (1 + 1e-9)]), "merged_adapters.weights"),
+        (dict(ids=[f"org/a{idx}" for idx in range(MAX_MERGED_ADAPTERS + 1)]), "merged_adapters.ids"),
+        (dict(ids=["org/a"] * (MAX_MERGED_ADAPTERS + 1)), "merged_adapters.ids"),
         (dict(ids=["a"], merge_strategy="svd"), "merged_adapters.merge_strategy"),
         (dict(ids=["a"], merge_strategy="ties", density=0.0), "merged_adapters.density"),
         (dict(ids=["a"], density=1.5), "merged_adapters.density"),
@@ -148,3 +157,42 @@ def test_merged_adapters_is_its_own_cache_key() -> None:
     second = MergedAdapters(("a", "b"), [1, 1.0], "ties", 0.5)
     assert first == second and hash(first) == hash(second) and first.weights == (1.0, 1.0)
     assert first != MergedAdapters(["a", "b"], merge_strategy="ties", density=0.4)
+
+
+def test_the_bounds_themselves_are_accepted() -> None:
+    ids = [f"org/a{idx}" for idx in range(MAX_MERGED_ADAPTERS)]
+    weights = [MAX_MERGE_WEIGHT, -MAX_MERGE_WEIGHT, 0.0, 0] + [1.0] * (MAX_MERGED_ADAPTERS - 4)
+    spec = MergedAdapters(ids, weights)
+    assert len(spec.ids) == MAX_MERGED_ADAPTERS
+    assert spec.weights[:4] == (MAX_MERGE_WEIGHT, -MAX_MERGE_WEIGHT, 0.0, 0.0)
+
+
+def test_distinct_ids_keep_first_appearance_order() -> None:
+    spec = MergedAdapters(["b", "a", "b", "c", "a"], [1.0, 0.5, 2.0, -1.0, 0.1])
+    assert spec.distinct_ids == ("b", "a", "c")
+    assert spec.ids == ("b", "a", "b", "c", "a")  # the merge itself still sees every entry
+
+
+def test_a_duplicated_id_merges_as_peft_does_not_as_its_summed_weight(peft_multi: PeftModel, ours) -> None:
+    """[a, a] with weights [1, 1] scales both of a's factors by 2 * sqrt(s): 4x a's delta, not 2x."""
+    peft_multi.add_weighted_adapter(["a", "a"], [1.0, 1.0], "merged_duplicate", combination_type="linear")
+    expected = {
+        key: (layer.lora_A["merged_duplicate"].weight, layer.lora_B["merged_duplicate"].weight)
+        for key, layer in _lora_layers(peft_multi)
+        if "merged_duplicate" in layer.lora_A
+    }
+    merged = merge_lora_weights([ours["a"], ours["a"]], MergedAdapters(["a", "a"]))
+    _assert_factors_equal(merged, expected, exact=True)
+    key = (0, "q_proj")
+    own_delta = ours["a"].modules[key].delta_weight()
+    torch.testing.assert_close(merged.modules[key].delta_weight(), 4.0 * own_delta)
+
+
+def test_merged_factors_that_overflow_are_refused_with_a_typed_error() -> None:
+    """Finite adapters and weights within the bound whose weighted sum overflows fp32."""
+    huge = LoraModuleWeights(torch.full((2, 4), 3e38), torch.full((3, 2), 3e38), 1.0)
+    adapters = [LoraWeights({(0, "q_proj"): huge}), LoraWeights({(0, "q_proj"): huge})]
+    overflow = r"merged_adapters.weights: .*layer 0 q_proj overflow"
+    with pytest.raises(AdapterIncompatibleError, match=overflow) as raised:
+        merge_lora_weights(adapters, MergedAdapters(["x", "y"], [MAX_MERGE_WEIGHT, 1.0]))
+    assert raised.value.status_code == 422

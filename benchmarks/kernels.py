@@ -9,7 +9,7 @@ scatter) and (b) per-token gather of the weights + bmm, over hidden sizes, ranks
 adapter counts with uniform and skewed popularity, and its overhead as a fraction of the base
 projection's matmul, measured as (base matmul then add_lora) / (base matmul alone) - 1, with
 the minimum over interleaved rounds of each (see `make_timer`). Tokens are sorted by adapter, as the engine does,
-and the adapters are held as the engine's pool holds them (fp32 on CPU, lora_b's output dimension contiguous). On CUDA the timings use
+and the adapters are held as the engine's pool holds them (each in its own pages, in the backend's layout). On CUDA the timings use
 `triton.testing.do_bench`, on CPU with `time.perf_counter`. Prints a table and writes JSON
 and a PNG plot to benchmarks/results/.
 
@@ -35,7 +35,8 @@ import torch
 import kernels
 from kernels import cpu_ops
 from kernels.linear import KIND_DTYPES, available_kinds, linear_packed, pack_linear_weight
-from kernels.lora.layouts import LoraProjection
+from kernels.lora.layouts import ModuleShape, pages_for_rank
+from kernels.lora.plans import LoraSlice, PageTable
 
 LOG = logging.getLogger("benchmarks.kernels")
 RESULTS_DIR = Path(__file__).parent / "results"
@@ -110,20 +111,20 @@ def token_slots(case: LoraCase, gen: torch.Generator) -> torch.Tensor:
     return slots.sort().values
 
 
-def adapter_loop(y, x, lora_a, lora_b, slots, scales) -> None:
+def adapter_loop(y, x, lora_a, lora_b, slots) -> None:
     """Baseline (a): one masked gather / matmul / scatter per adapter in the pool."""
     for slot in range(lora_a.shape[0]):
         rows = torch.nonzero(slots == slot).flatten()
         if rows.numel():
             delta = (x.index_select(0, rows).to(lora_a.dtype) @ lora_a[slot].T) @ lora_b[slot].T
-            y.index_add_(0, rows, (delta * scales[slot]).to(y.dtype))
+            y.index_add_(0, rows, delta.to(y.dtype))
 
 
-def gather_bmm(y, x, lora_a, lora_b, slots, scales) -> None:
+def gather_bmm(y, x, lora_a, lora_b, slots) -> None:
     """Baseline (b): gather every token's weights, two batched matmuls."""
     shrunk = torch.bmm(lora_a.index_select(0, slots), x.to(lora_a.dtype).unsqueeze(-1))  # [T, R, 1]
     delta = torch.bmm(lora_b.index_select(0, slots), shrunk).squeeze(-1)  # [T, out]
-    y.add_((delta * scales.index_select(0, slots)[:, None]).to(y.dtype))
+    y.add_(delta.to(y.dtype))
 
 
 def bench_lora_case(case: LoraCase, dtype: torch.dtype, backend: kernels.Backend, timer) -> dict:
@@ -132,30 +133,37 @@ def bench_lora_case(case: LoraCase, dtype: torch.dtype, backend: kernels.Backend
     slots = token_slots(case, gen).to(device)
     x = torch.randn(case.num_tokens, case.hidden_in, generator=gen).to(device, dtype)
     weight = torch.randn(case.out, case.hidden_in, generator=gen).to(device, dtype) / case.hidden_in**0.5
-    # The adapters as the engine's pool holds them: in the backend's layout for the model's dtype.
-    projection = LoraProjection(case.hidden_in, (0, case.out))
-    layout = backend.lora_layout(dtype, [projection])
-    lora_a, lora_b = layout.allocate(case.num_adapters, case.rank, projection, device)
-    for slot in range(case.num_adapters):
-        layout.write(lora_a, lora_b, slot, 0, projection, torch.randn(case.rank, case.hidden_in, generator=gen),
-                     torch.randn(case.out, case.rank, generator=gen))
-    dense_a, dense_b = layout.dense(lora_a, lora_b, projection)
-    scales = torch.full((case.num_adapters,), 0.5, device=device)
+    # The adapters as the engine's pool holds them: each in its own pages (scattered over the pool,
+    # in reverse order), in the backend's layout for the model's dtype; the scaling folded into B.
+    shape = ModuleShape(case.hidden_in, case.out)
+    layout = backend.lora_layout(dtype, [shape])
+    per_adapter = pages_for_rank(case.rank)
+    num_pages = case.num_adapters * per_adapter
+    a_pages, b_pages = layout.allocate(1, num_pages, shape, device)
+    page_lists = [tuple(num_pages - 1 - (e * per_adapter + i) for i in range(per_adapter)) for e in range(case.num_adapters)]
+    for pages in page_lists:
+        layout.write(a_pages, b_pages, pages, torch.randn(1, case.rank, case.hidden_in, generator=gen),
+                     0.5 * torch.randn(1, case.out, case.rank, generator=gen))
+    dense = [layout.read(a_pages, b_pages, pages, case.rank) for pages in page_lists]
+    dense_a = torch.cat([a for a, _ in dense]).to(dtype)
+    dense_b = torch.cat([b for _, b in dense]).to(dtype)
     y = torch.zeros(case.num_tokens, case.out, device=device, dtype=dtype)
-    slot_list, scale_list, ranks = slots.tolist(), scales.tolist(), [case.rank] * case.num_adapters
-    plan = backend.plan_lora(slot_list)
+    slot_list = slots.tolist()
+    tables = {"proj": PageTable((case.rank,) * case.num_adapters, tuple(page_lists))}
+    lora_slices = [LoraSlice("proj", a_pages[0], b_pages[0], 0, case.out)]
+    plan = backend.plan_lora(layout, slot_list, tables)
     linear = backend.linear(weight)
     fns = {
         "base": lambda: linear(x),
-        "ours": lambda: backend.add_lora(y, x, lora_a, lora_b, plan, scale_list, slice_ranks=ranks),
+        "ours": lambda: backend.add_lora(y, x, lora_slices, plan),
         # Right after the base matmul, as in the model: its weights push the adapters' out of cache.
-        "base_then_ours": lambda: backend.add_lora(linear(x), x, lora_a, lora_b, plan, scale_list, slice_ranks=ranks),
-        "adapter_loop": lambda: adapter_loop(y, x, dense_a, dense_b, slots, scales),
-        "plan_build": lambda: backend.plan_lora(slot_list),
+        "base_then_ours": lambda: backend.add_lora(linear(x), x, lora_slices, plan),
+        "adapter_loop": lambda: adapter_loop(y, x, dense_a, dense_b, slots),
+        "plan_build": lambda: backend.plan_lora(layout, slot_list, tables),
     }
     gather_bytes = case.num_tokens * case.rank * (case.hidden_in + case.out) * x.element_size()
     if gather_bytes <= MAX_GATHER_BYTES:
-        fns["gather_bmm"] = lambda: gather_bmm(y, x, dense_a, dense_b, slots, scales)
+        fns["gather_bmm"] = lambda: gather_bmm(y, x, dense_a, dense_b, slots)
     timings = timer(fns)
     row = dataclasses.asdict(case) | {"timings": timings}
     row.update({f"{name}_s": t["min"] for name, t in timings.items()})

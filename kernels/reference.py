@@ -1,5 +1,5 @@
 """Plain PyTorch twins of every backend op: the tests' oracle. Each takes the step's plain inputs
-(per-token adapter slots, the step's sequences) where the backends take their own plans.
+(per-token adapter entries and their factors, the step's sequences) where the backends take their own plans.
 
 Written for clarity, not speed: per-token and per-sequence loops, computed in fp32 and cast back."""
 from __future__ import annotations
@@ -11,67 +11,28 @@ import torch
 from kernels.attention.plans import StepSequences
 
 
+LoraFactors = Sequence[tuple[torch.Tensor, torch.Tensor] | None]
+
+
 def add_lora(
     y: torch.Tensor,
     x: torch.Tensor,
-    lora_a: torch.Tensor,
-    lora_b: torch.Tensor,
-    token_slots: Sequence[int],
-    scales: torch.Tensor | Sequence[float] | None = None,
-    slice_offsets: torch.Tensor | Sequence[int] | None = None,
+    token_entries: Sequence[int],
+    slices: Sequence[tuple[int, int, LoraFactors]],
 ) -> None:
-    """y[t] += (x[t] @ lora_a[s].T) @ lora_b[s].T * scales[s] for s = token_slots[t] >= 0, per slice:
-    y [T, total_out], x [T, hidden_in], lora_a [S, max_rank * num_slices, hidden_in] (slice i's rows
-    i*max_rank:(i+1)*max_rank), lora_b [S, total_out, max_rank], slice_offsets [num_slices + 1] (slice
-    i writes y[:, offsets[i]:offsets[i+1]]); ranks below max_rank are zero-padded."""
-    offsets = [int(o) for o in slice_offsets] if slice_offsets is not None else [0, y.shape[1]]
-    max_rank = lora_a.shape[1] // (len(offsets) - 1)
-    for t, slot in enumerate(_ints(token_slots)):
-        if slot < 0:
+    """y[t, start:end] += (x[t] @ A.T) @ B.T for every slice (start, end, factors) with
+    factors[e] = (A [rank, hidden_in], B [end - start, rank]) of entry e = token_entries[t] >= 0
+    (None: entry e does not adapt the slice). y [T, total_out], x [T, hidden_in]; the delta of a
+    token is summed in float32 and rounded into y once per slice."""
+    for t, entry in enumerate(_ints(token_entries)):
+        if entry < 0:
             continue
-        scale = 1.0 if scales is None else float(scales[slot])
-        for i in range(len(offsets) - 1):
-            weight_a = lora_a[slot, i * max_rank : (i + 1) * max_rank].float()  # [max_rank, hidden_in]
-            weight_b = lora_b[slot, offsets[i] : offsets[i + 1]].float()  # [width, max_rank]
-            delta = (x[t].float() @ weight_a.T) @ weight_b.T * scale  # [width]
-            y[t, offsets[i] : offsets[i + 1]] = (y[t, offsets[i] : offsets[i + 1]].float() + delta).to(y.dtype)
-
-
-def sgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: Sequence[int]) -> torch.Tensor:
-    """v[t] = x[t] @ lora_a[s].T for s = token_slots[t] >= 0, else 0: x [T, hidden_in],
-    lora_a [S, R_total, hidden_in] -> v [T, R_total] fp32."""
-    v = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32)
-    for t, slot in enumerate(_ints(token_slots)):
-        if slot >= 0:
-            v[t] = x[t].float() @ lora_a[slot].float().T
-    return v
-
-
-def sgmv_expand(
-    y: torch.Tensor,
-    v: torch.Tensor,
-    lora_b: torch.Tensor,
-    token_slots: Sequence[int],
-    scales: torch.Tensor | None = None,
-    slice_offsets: torch.Tensor | Sequence[int] | None = None,
-) -> None:
-    """y[t, cols_i] += v[t, i*R:(i+1)*R] @ lora_b[s, cols_i].T * scales[s] for s = token_slots[t] >= 0,
-    where cols_i = slice_offsets[i]:slice_offsets[i+1] and R = lora_b.shape[2]."""
-    offsets = [int(o) for o in slice_offsets] if slice_offsets is not None else [0, y.shape[1]]
-    max_rank = lora_b.shape[2]
-    for t, slot in enumerate(_ints(token_slots)):
-        if slot < 0:
-            continue
-        scale = 1.0 if scales is None else float(scales[slot])
-        for i in range(len(offsets) - 1):
-            cols = slice(offsets[i], offsets[i + 1])
-            delta = v[t, i * max_rank : (i + 1) * max_rank].float() @ lora_b[slot, cols].float().T * scale
-            y[t, cols] = (y[t, cols].float() + delta).to(y.dtype)
-
-
-# SGMV and BGMV compute the same thing; they differ only in how the work is split into programs.
-bgmv_shrink = sgmv_shrink
-bgmv_expand = sgmv_expand
+        for start, end, factors in slices:
+            if factors[entry] is None:
+                continue
+            weight_a, weight_b = (w.float() for w in factors[entry])
+            delta = (x[t].float() @ weight_a.T) @ weight_b.T
+            y[t, start:end] = (y[t, start:end].float() + delta).to(y.dtype)
 
 
 def store_kv(

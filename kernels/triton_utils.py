@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-from typing import Sequence
 
 import torch
 import triton
@@ -23,14 +22,12 @@ def next_power_of_2(value: int, minimum: int = 16) -> int:
     return max(minimum, triton.next_power_of_2(value))
 
 
-def slice_offsets_tensor(
-    slice_offsets: torch.Tensor | Sequence[int] | None, y: torch.Tensor
-) -> tuple[torch.Tensor, int]:
-    """Column offsets of a fused projection as int32 on y's device ([num_slices + 1]; None = one
-    slice over all of y), and the widest slice's width (for the grid), read on the host."""
-    host = [0, y.shape[1]] if slice_offsets is None else [int(o) for o in slice_offsets]
-    widest = max(end - begin for begin, end in zip(host[:-1], host[1:]))
-    return torch.tensor(host, dtype=torch.int32, device=y.device), widest
+def shrink_buffer(num_tokens: int, width: int, split_k: int, device: torch.device) -> torch.Tensor:
+    """A LoRA shrink's float32 output [num_tokens, width]: zeros when split-K programs add into it,
+    else left uninitialised (the expand reads only the elements the shrink writes)."""
+    if split_k > 1:
+        return torch.zeros(num_tokens, width, dtype=torch.float32, device=device)
+    return torch.empty(num_tokens, width, dtype=torch.float32, device=device)
 
 
 def k_per_split(hidden_in: int, split_k: int, block_k: int) -> int:

@@ -79,11 +79,12 @@ AMX_LINEAR_MAX_ROWS = 96
 # Row count oneDNN's packed bf16 weight layout is tuned for: a typical decode step of the default scheduler.
 ONEDNN_PACKING_ROWS = 64
 
-# Triton LoRA tiles. tl.dot needs every tile dimension >= 16 on GPU.
+# Triton LoRA tiles (kernels/lora/sgmv.py, bgmv.py). tl.dot needs every tile dimension >= 16 on GPU.
+# A shrink program covers one page of the adapter (16 rank rows, kernels/lora/layouts.PAGE_ROWS).
 SGMV_BLOCK_M = 16  # tokens of one segment per program
-LORA_BLOCK_N = 32  # output columns per program (rank columns for shrink, hidden for expand)
+LORA_BLOCK_N = 32  # output columns per expand program
 LORA_BLOCK_K = 64  # reduction columns per step of the shrink (hidden_in)
-# Split-K for the shrink: its output is only num_slices * rank wide, so with a wide input few
+# Split-K for the shrink: a program's output is one page, 16 rank rows, so with a wide input few
 # programs run; split the reduction into chunks of at least this many input columns.
 SPLIT_K_MIN_COLS = 1024
 MAX_SPLIT_K = 8

@@ -9,13 +9,13 @@ Every backend offers the same ops, and each op's per-step plan is built by the b
 (`plan_attention`, `plan_lora`), so a step carries only its own backend's metadata:
 
     linear(weight, bias=None) -> callable x [M, in] -> [M, out]
-    lora_weight_dtype(model_dtype) -> the dtype the adapter pool holds its weights in
+    lora_layout(model_dtype, module_shapes) -> what a page of the adapter pool holds (kernels.lora.layouts)
     plan_attention(StepSequences) -> plan;  paged_attention(q, k_cache, v_cache, plan, scale) -> out
     store_kv(k, v, k_cache, v_cache, slot_mapping);  rotary_store_kv(qkv, positions, cos, sin,
         k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
     rms_norm(x, weight, eps, residual=None);  silu_and_mul(gate_up);  max_logsumexp(scores)
-    plan_lora(token_slots) -> plan;  add_lora(y, x, lora_a, lora_b, plan, scales=None,
-        slice_offsets=None, slice_ranks=None)
+    plan_lora(layout, token_entries, page_tables) -> plan;  add_lora(y, x, slices, plan): y[:, slice columns]
+        += each token's adapter delta, its pages found through the plan (kernels.lora.plans)
 
 Semantics, shapes and roundings of each op: its twin in `kernels.reference`, the tests' oracle.
 """

@@ -3,17 +3,17 @@ runs (`kernels.cpu_ops`), and the PyTorch backend's paths where an op does not a
 too long for the compiled attention, tensors it does not take)."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import ModuleType
 
 import torch
 
 from kernels.attention.plans import CompiledAttentionPlan, StepSequences
 from kernels.attention.torch_ops import attend_prefill
-from kernels.backends.torch_backend import TorchBackend, _offsets
+from kernels.backends.torch_backend import TorchBackend
 from kernels.linear import CompiledLinear, pack_linear_weight
-from kernels.lora.layouts import LoraLayout, LoraProjection, TiledLoraLayout
-from kernels.lora.plans import CompiledLoraPlan, TorchLoraPlan
+from kernels.lora.layouts import LoraLayout, ModuleShape, TiledPages
+from kernels.lora.plans import CompiledLoraPlan, LoraSlice, PageTable, TorchLoraPlan
 
 _COMPILED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -29,14 +29,14 @@ class CompiledCPUBackend(TorchBackend):
     def label(self) -> str:
         return f"{self.name}/{self.ops.active_form()}"
 
-    def lora_layout(self, model_dtype: torch.dtype, projections: Sequence[LoraProjection]) -> LoraLayout:
-        """The compiled op's tiles: bf16 for a bf16 model (PEFT's own precision for it; half the bytes
-        to read per step), float32 otherwise; the PyTorch backend's where a projection's slices are
-        not whole blocks of 16 columns."""
+    def lora_layout(self, model_dtype: torch.dtype, shapes: Sequence[ModuleShape]) -> LoraLayout:
+        """The compiled op's tiled pages: bf16 for a bf16 model (PEFT's own precision for it; half the
+        bytes to read per step), float32 otherwise; the PyTorch backend's row pages where a module's
+        outputs are not whole blocks of 16 columns."""
         dtype = torch.bfloat16 if model_dtype == torch.bfloat16 else torch.float32
-        if all(TiledLoraLayout.fits(projection, dtype) for projection in projections):
-            return TiledLoraLayout(dtype)
-        return super().lora_layout(model_dtype, projections)
+        if all(TiledPages.fits(shape, dtype) for shape in shapes):
+            return TiledPages(dtype)
+        return super().lora_layout(model_dtype, shapes)
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         packed = pack_linear_weight(weight) if bias is None else None
@@ -86,23 +86,21 @@ class CompiledCPUBackend(TorchBackend):
         self.ops.max_logsumexp(scores, values, indices, log_normaliser)
         return values, indices, log_normaliser
 
-    def plan_lora(self, token_slots: list[int]) -> CompiledLoraPlan:
-        return CompiledLoraPlan.build(token_slots)
+    def plan_lora(self, layout: LoraLayout, token_entries: Sequence[int],
+                  tables: Mapping[str, PageTable]) -> CompiledLoraPlan | TorchLoraPlan:
+        """The compiled op's plan for tiled pages, the PyTorch loop's for row pages (`lora_layout`)."""
+        if isinstance(layout, TiledPages):
+            return CompiledLoraPlan.build(token_entries, tables)
+        return super().plan_lora(layout, token_entries, tables)
 
-    def add_lora(self, y, x, lora_a, lora_b, plan: CompiledLoraPlan, scales: Sequence[float] | None = None,
-                 slice_offsets: Sequence[int] | None = None, slice_ranks: Sequence[int] | None = None) -> None:
-        """Weights in this backend's `lora_layout`: the compiled op's tiles, or (where the tiles did not
-        fit the model) the dense layout, which the PyTorch loop runs."""
-        if plan.num_segments == 0:
-            return
-        offsets = _offsets(slice_offsets, y)
-        if lora_a.shape[-1] == x.shape[1]:  # dense rows of hidden_in; tiles hold hidden_in x 16
-            super().add_lora(y, x, lora_a, lora_b, TorchLoraPlan(plan.segments()), scales, offsets, slice_ranks)
-            return
-        num_slices = len(offsets) - 1
-        ranks = list(slice_ranks) if slice_ranks is not None else [lora_b.shape[2] // 16] * (lora_a.shape[0] * num_slices)
-        self.ops.lora_segments(y, x.contiguous(), lora_a, lora_b, plan.segment_table, ranks, offsets,
-                               list(scales) if scales is not None else [])
+    def add_lora(self, y, x, slices: Sequence[LoraSlice], plan: CompiledLoraPlan | TorchLoraPlan) -> None:
+        if isinstance(plan, TorchLoraPlan):
+            super().add_lora(y, x, slices, plan)
+        elif plan.num_segments:
+            self.ops.lora_segments(y, x.contiguous(), plan.segment_table, [piece.a for piece in slices],
+                                   [piece.b for piece in slices], [plan.ranks[piece.module] for piece in slices],
+                                   [plan.page_tables[piece.module] for piece in slices],
+                                   [piece.start for piece in slices])
 
 
 def _rows_of_one_dtype(first: torch.Tensor, *others: torch.Tensor) -> bool:

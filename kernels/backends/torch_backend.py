@@ -4,7 +4,7 @@ are neither CUDA nor CPU. Each op is the fastest plain-PyTorch form we measured,
 (norms, SiLU-and-multiply, the rotary embedding)."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -12,8 +12,8 @@ from kernels import reference
 from kernels.attention.plans import StepSequences, TorchAttentionPlan
 from kernels.attention.torch_ops import paged_attention_torch, store_kv_torch
 from kernels.linear import PlainLinear
-from kernels.lora.layouts import DenseLoraLayout, LoraLayout, LoraProjection
-from kernels.lora.plans import TorchLoraPlan
+from kernels.lora.layouts import LoraLayout, ModuleShape, RowPages
+from kernels.lora.plans import LoraSlice, PageTable, TorchLoraPlan
 from kernels.lora.torch_ops import add_lora_torch
 
 
@@ -28,9 +28,9 @@ class TorchBackend:
         """The backend's name, and where it has several kernel forms the one in use ("cpu/avx2")."""
         return self.name
 
-    def lora_layout(self, model_dtype: torch.dtype, projections: Sequence[LoraProjection]) -> LoraLayout:
+    def lora_layout(self, model_dtype: torch.dtype, shapes: Sequence[ModuleShape]) -> LoraLayout:
         # Tiny 16-bit matmuls cost 2-5x more than float32 ones on CPU (measured with the segment loop).
-        return DenseLoraLayout(torch.float32 if self.device.type == "cpu" else model_dtype)
+        return RowPages(torch.float32 if self.device.type == "cpu" else model_dtype)
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         return PlainLinear(weight, bias)
@@ -61,15 +61,8 @@ class TorchBackend:
         # Reusing the maxima: one exp-sum pass, about half the cost of a separate logsumexp.
         return values, indices, values + (scores - values[:, None]).exp_().sum(dim=-1).log_()
 
-    def plan_lora(self, token_slots: list[int]) -> TorchLoraPlan:
-        return TorchLoraPlan.build(token_slots)
+    def plan_lora(self, layout: LoraLayout, token_entries: Sequence[int], tables: Mapping[str, PageTable]) -> TorchLoraPlan:
+        return TorchLoraPlan.build(token_entries, tables, self.device)
 
-    def add_lora(self, y, x, lora_a, lora_b, plan: TorchLoraPlan, scales: Sequence[float] | None = None,
-                 slice_offsets: Sequence[int] | None = None, slice_ranks: Sequence[int] | None = None) -> None:
-        add_lora_torch(y, x, lora_a, lora_b, plan, scales, _offsets(slice_offsets, y), slice_ranks)
-
-
-def _offsets(slice_offsets: Sequence[int] | None, y: torch.Tensor) -> list[int]:
-    offsets = [0, y.shape[1]] if slice_offsets is None else [int(o) for o in slice_offsets]
-    assert offsets[0] == 0 and offsets[-1] == y.shape[1], "slice_offsets must span y's columns"
-    return offsets
+    def add_lora(self, y, x, slices: Sequence[LoraSlice], plan: TorchLoraPlan) -> None:
+        add_lora_torch(y, x, slices, plan)

@@ -3,14 +3,14 @@ tensors under the Triton interpreter, `TRITON_INTERPRET=1`, which is how CI runs
 PyTorch backend's ops for the rest (cuBLAS matmuls, elementwise ops)."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from kernels.attention.plans import StepSequences, TritonAttentionPlan
-from kernels.backends.torch_backend import TorchBackend, _offsets
-from kernels.lora.layouts import DenseLoraLayout, LoraLayout, LoraProjection
-from kernels.lora.plans import TritonLoraPlan
+from kernels.backends.torch_backend import TorchBackend
+from kernels.lora.layouts import LoraLayout, ModuleShape, RowPages
+from kernels.lora.plans import LoraSlice, PageTable, TritonLoraPlan
 
 
 class TritonBackend(TorchBackend):
@@ -26,8 +26,8 @@ class TritonBackend(TorchBackend):
                                "TRITON_INTERPRET=1 before kernels is imported")
         super().__init__(device)
 
-    def lora_layout(self, model_dtype: torch.dtype, projections: Sequence[LoraProjection]) -> LoraLayout:
-        return DenseLoraLayout(model_dtype)
+    def lora_layout(self, model_dtype: torch.dtype, shapes: Sequence[ModuleShape]) -> LoraLayout:
+        return RowPages(model_dtype)
 
     def plan_attention(self, step: StepSequences) -> TritonAttentionPlan:
         return TritonAttentionPlan.build(step, self.device)
@@ -43,12 +43,10 @@ class TritonBackend(TorchBackend):
 
         store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
 
-    def plan_lora(self, token_slots: list[int]) -> TritonLoraPlan:
-        return TritonLoraPlan.build(token_slots, self.device)
+    def plan_lora(self, layout: LoraLayout, token_entries: Sequence[int], tables: Mapping[str, PageTable]) -> TritonLoraPlan:
+        return TritonLoraPlan.build(token_entries, tables, self.device)
 
-    def add_lora(self, y, x, lora_a, lora_b, plan: TritonLoraPlan, scales: Sequence[float] | None = None,
-                 slice_offsets: Sequence[int] | None = None, slice_ranks: Sequence[int] | None = None) -> None:
-        """`slice_ranks` is not needed: the zero padding of the ranks is multiplied through."""
+    def add_lora(self, y, x, slices: Sequence[LoraSlice], plan: TritonLoraPlan) -> None:
         from kernels.lora.triton_ops import add_lora_triton
 
-        add_lora_triton(y, x, lora_a, lora_b, plan, scales, _offsets(slice_offsets, y))
+        add_lora_triton(y, x, slices, plan)

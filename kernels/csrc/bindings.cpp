@@ -232,42 +232,61 @@ void max_logsumexp(torch::Tensor scores, torch::Tensor values, torch::Tensor ind
   run_tasks(table().max_logsumexp, args, rows, 1);
 }
 
-// a_tiles [S, num_slices * R / 16, hidden_in * 16] and b_tiles [S, total_out / 16, R * 16]: the tiled
-// layout of kernels/lora/layouts.py, float32 or bf16.
-void lora_segments(torch::Tensor y, torch::Tensor x, torch::Tensor a_tiles, torch::Tensor b_tiles, torch::Tensor segments,
-                   std::vector<int64_t> slice_ranks, std::vector<int64_t> slice_offsets, std::vector<double> scales) {
+// Per slice of the fused projection: its layer's tiled pages a [P, hidden_in * 16] and
+// b [P, out * 16] (kernels/lora/layouts.py, float32 or bf16), the step's ranks [E] and page tables
+// [E, max_pages] of its module, and the first column of y it adds to; slices tile y's columns.
+void lora_segments(torch::Tensor y, torch::Tensor x, torch::Tensor segments, std::vector<torch::Tensor> a_pages,
+                   std::vector<torch::Tensor> b_pages, std::vector<torch::Tensor> ranks,
+                   std::vector<torch::Tensor> page_tables, std::vector<int64_t> columns) {
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.is_contiguous() && y.is_contiguous() && x.size(0) == y.size(0),
               "x [T, in] and y [T, out] must be contiguous with the same rows");
   TORCH_CHECK(x.scalar_type() == y.scalar_type(), "x and y must share a dtype");
-  TORCH_CHECK(a_tiles.dim() == 3 && b_tiles.dim() == 3 && a_tiles.is_contiguous() && b_tiles.is_contiguous() &&
-                  a_tiles.size(0) == b_tiles.size(0), "a_tiles and b_tiles: contiguous [S, blocks, block elements]");
-  const DType weight_dtype = dtype_of(a_tiles);
-  TORCH_CHECK(b_tiles.scalar_type() == a_tiles.scalar_type() && weight_dtype != DType::f16,
-              "the adapter tiles are float32 or bf16, both alike");
-  TORCH_CHECK(weight_dtype == DType::f32 || x.scalar_type() == at::kBFloat16, "bf16 adapter tiles take bf16 x and y");
-  const int64_t num_slices = static_cast<int64_t>(slice_offsets.size()) - 1, hidden_in = x.size(1);
-  TORCH_CHECK(num_slices >= 1 && slice_offsets.front() == 0 && slice_offsets.back() == y.size(1),
-              "slice_offsets must run from 0 to y's width");
-  for (int64_t offset : slice_offsets) TORCH_CHECK(offset % 16 == 0, "slice offsets must be multiples of 16");
-  TORCH_CHECK(a_tiles.size(2) == hidden_in * 16 && (weight_dtype == DType::f32 || hidden_in % 2 == 0),
-              "a_tiles blocks must hold hidden_in x 16 elements (hidden_in even for bf16)");
-  TORCH_CHECK((a_tiles.size(1) * 16) % num_slices == 0, "a_tiles must hold num_slices x max_rank rows");
-  const int64_t max_rank = a_tiles.size(1) * 16 / num_slices;
-  TORCH_CHECK(max_rank % 16 == 0 && b_tiles.size(1) * 16 == y.size(1) && b_tiles.size(2) == max_rank * 16,
-              "b_tiles must be [S, total_out / 16, max_rank * 16] with max_rank a multiple of 16");
+  const size_t num_slices = a_pages.size();
+  TORCH_CHECK(num_slices >= 1 && b_pages.size() == num_slices && ranks.size() == num_slices &&
+                  page_tables.size() == num_slices && columns.size() == num_slices,
+              "one a, b, ranks, page table and column per slice");
   TORCH_CHECK(segments.dim() == 2 && segments.size(1) == 3 && segments.scalar_type() == at::kLong && segments.is_contiguous(),
-              "segments must be int64 [n, 3] (start, length, slot)");
-  const auto num_slots = static_cast<size_t>(a_tiles.size(0));
-  TORCH_CHECK(slice_ranks.size() == num_slots * num_slices, "slice_ranks: one per slot and slice");
-  TORCH_CHECK(scales.empty() || scales.size() == num_slots, "scales: one per slot, or empty");
+              "segments must be int64 [n, 3] (start, length, entry)");
+  const DType weight_dtype = dtype_of(a_pages[0]);
+  TORCH_CHECK(weight_dtype != DType::f16, "the adapter pages are float32 or bf16");
+  TORCH_CHECK(weight_dtype == DType::f32 || x.scalar_type() == at::kBFloat16, "bf16 adapter pages take bf16 x and y");
+  const int64_t hidden_in = x.size(1);
+  TORCH_CHECK(weight_dtype == DType::f32 || hidden_in % 2 == 0, "bf16 pages need an even hidden_in");
+  int64_t num_entries = -1;
+  std::vector<cpu_ops::LoraSlice> slices;
+  for (size_t i = 0; i < num_slices; ++i) {
+    const torch::Tensor &a = a_pages[i], &b = b_pages[i], &rank = ranks[i], &table = page_tables[i];
+    TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.is_contiguous() && b.is_contiguous() && a.size(0) == b.size(0),
+                "slice ", i, ": pages must be contiguous [P, elements], as many of A as of B");
+    TORCH_CHECK(a.scalar_type() == a_pages[0].scalar_type() && b.scalar_type() == a.scalar_type(),
+                "every slice's pages share one dtype");
+    TORCH_CHECK(a.size(1) == hidden_in * 16 && b.size(1) % 256 == 0, "slice ", i,
+                ": a page of A holds hidden_in x 16 elements, one of B whole blocks of 16 x 16");
+    const int64_t out_features = b.size(1) / 16;
+    TORCH_CHECK(columns[i] >= 0 && columns[i] + out_features <= y.size(1), "slice ", i, " lies outside y's columns");
+    TORCH_CHECK(rank.dim() == 1 && table.dim() == 2 && rank.scalar_type() == at::kLong &&
+                    table.scalar_type() == at::kLong && rank.is_contiguous() && table.is_contiguous() &&
+                    table.size(0) == rank.size(0) && table.size(1) >= 1,
+                "slice ", i, ": ranks int64 [E] and page table int64 [E, max_pages]");
+    TORCH_CHECK(num_entries < 0 || rank.size(0) == num_entries, "every slice has the same entries");
+    num_entries = rank.size(0);
+    const int64_t* rank_of = rank.data_ptr<int64_t>();
+    const int64_t* pages = table.data_ptr<int64_t>();
+    for (int64_t e = 0; e < num_entries; ++e) {
+      TORCH_CHECK(rank_of[e] >= 0 && rank_of[e] <= table.size(1) * 16, "slice ", i, ": entry ", e,
+                  "'s rank needs more pages than its table holds");
+      for (int64_t p = 0; p < (rank_of[e] + 15) / 16; ++p)
+        TORCH_CHECK(pages[e * table.size(1) + p] >= 0 && pages[e * table.size(1) + p] < a.size(0), "slice ", i,
+                    ": entry ", e, " names a page outside the pool");
+    }
+    slices.push_back({a.data_ptr(), b.data_ptr(), rank_of, pages, table.size(1), out_features, columns[i]});
+  }
   const int64_t* segment = segments.data_ptr<int64_t>();
   for (int64_t s = 0; s < segments.size(0); ++s, segment += 3)
     TORCH_CHECK(segment[0] >= 0 && segment[1] >= 0 && segment[0] + segment[1] <= x.size(0) && segment[2] >= 0 &&
-                    segment[2] < a_tiles.size(0), "segment ", s, " lies outside the tokens or the slots");
-  const cpu_ops::LoraArgs args{dtype_of(x), weight_dtype, x.data_ptr(), y.data_ptr(), a_tiles.data_ptr(),
-                               b_tiles.data_ptr(), segments.data_ptr<int64_t>(), slice_ranks.data(),
-                               slice_offsets.data(), scales.empty() ? nullptr : scales.data(), hidden_in, y.size(1),
-                               num_slices, max_rank};
+                    segment[2] < num_entries, "segment ", s, " lies outside the tokens or the entries");
+  const cpu_ops::LoraArgs args{dtype_of(x), weight_dtype, x.data_ptr(), y.data_ptr(), segments.data_ptr<int64_t>(),
+                               slices.data(), static_cast<int64_t>(num_slices), hidden_in, y.size(1)};
   run_tasks(table().lora_segments, args, segments.size(0), 1);
 }
 

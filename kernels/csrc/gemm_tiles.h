@@ -7,11 +7,14 @@
 // Packed layouts, per block of 16 output columns:
 //   float32: packed[n_block][k][16]               one k is one 64-byte row of the block
 //   bf16:    packed[n_block][k_pair][16][2]       one pair of k is one 64-byte vector (`vdpbf16ps`)
+// A block's k-steps may lie in several pages (`BlockPages`): the LoRA op's B holds each adapter's
+// rank rows in pages of 16 wherever the adapter pool put them.
 // Forms: float32 on AVX-512 (zmm: MR x NB accumulators) and on AVX2 + FMA (ymm: MR x 2NB), bf16 on
 // AVX512-BF16; every form has the portable tiles (plain loops the compiler vectorises as it can),
 // which the LoRA op uses where no intrinsic tile exists. Which tile shapes each form's matmuls use is
 // in kernels/tuning.py.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -43,6 +46,16 @@ static_assert(kF32TileRows >= 1 && kF32TileRows <= 8 && kF32TileBlocks >= 1 && k
                   kBf16TileRows >= 1 && kBf16TileRows <= 8 && kBf16TileBlocks >= 1 && kBf16TileBlocks <= 3,
               "the tiles instantiate 1-8 rows and 1-3 blocks");
 
+// The k-steps of a tile's NB blocks: `num_pages` runs of `page_steps` k-steps each (the last one may
+// be shorter), block v of page j starting at blocks[j * NB + v], its k-step i at + i * 16 elements
+// (+ i * 32 for bf16 pairs). A plain packed weight is one page.
+template <typename W>
+struct BlockPages {
+  const W* const* blocks;
+  int64_t num_pages;
+  int64_t page_steps;
+};
+
 // Requests `lines` lines from `next` over `steps` steps, `credit` carrying the remainder: integer
 // steps, not a division per step. `lines` = 0: nothing to fetch.
 struct Prefetcher {
@@ -56,18 +69,23 @@ struct Prefetcher {
 
 #if defined(__AVX512F__)
 template <int MR, int NB>
-inline void f32_tile(const float* x, int64_t ldx, const float* b, int64_t b_block_stride, int64_t k, Prefetcher fetch,
-                     float* c, int64_t ldc) {
+inline void f32_tile(const float* x, int64_t ldx, const BlockPages<float>& b, int64_t k, Prefetcher fetch, float* c,
+                     int64_t ldc) {
   __m512 acc[MR][NB];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < NB; ++v) acc[m][v] = _mm512_setzero_ps();
-  for (int64_t kk = 0; kk < k; ++kk) {
-    fetch.step();
-    __m512 weights[NB];
-    for (int v = 0; v < NB; ++v) weights[v] = _mm512_loadu_ps(b + v * b_block_stride + kk * kBlockColumns);
-    for (int m = 0; m < MR; ++m) {
-      const __m512 a = _mm512_set1_ps(x[m * ldx + kk]);
-      for (int v = 0; v < NB; ++v) acc[m][v] = _mm512_fmadd_ps(a, weights[v], acc[m][v]);
+  for (int64_t page = 0, kk = 0; page < b.num_pages; ++page) {
+    const float* w[NB];
+    for (int v = 0; v < NB; ++v) w[v] = b.blocks[page * NB + v];
+    for (const int64_t page_end = std::min(k, kk + b.page_steps); kk < page_end; ++kk) {
+      fetch.step();
+      __m512 weights[NB];
+      for (int v = 0; v < NB; ++v) weights[v] = _mm512_loadu_ps(w[v]);
+      for (int v = 0; v < NB; ++v) w[v] += kBlockColumns;
+      for (int m = 0; m < MR; ++m) {
+        const __m512 a = _mm512_set1_ps(x[m * ldx + kk]);
+        for (int v = 0; v < NB; ++v) acc[m][v] = _mm512_fmadd_ps(a, weights[v], acc[m][v]);
+      }
     }
   }
   for (int m = 0; m < MR; ++m)
@@ -75,18 +93,23 @@ inline void f32_tile(const float* x, int64_t ldx, const float* b, int64_t b_bloc
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 template <int MR, int NB>
-inline void f32_tile(const float* x, int64_t ldx, const float* b, int64_t b_block_stride, int64_t k, Prefetcher fetch,
-                     float* c, int64_t ldc) {
+inline void f32_tile(const float* x, int64_t ldx, const BlockPages<float>& b, int64_t k, Prefetcher fetch, float* c,
+                     int64_t ldc) {
   __m256 acc[MR][2 * NB];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < 2 * NB; ++v) acc[m][v] = _mm256_setzero_ps();
-  for (int64_t kk = 0; kk < k; ++kk) {
-    fetch.step();
-    __m256 weights[2 * NB];
-    for (int v = 0; v < 2 * NB; ++v) weights[v] = _mm256_loadu_ps(b + (v / 2) * b_block_stride + kk * kBlockColumns + 8 * (v % 2));
-    for (int m = 0; m < MR; ++m) {
-      const __m256 a = _mm256_broadcast_ss(x + m * ldx + kk);
-      for (int v = 0; v < 2 * NB; ++v) acc[m][v] = _mm256_fmadd_ps(a, weights[v], acc[m][v]);
+  for (int64_t page = 0, kk = 0; page < b.num_pages; ++page) {
+    const float* w[NB];
+    for (int v = 0; v < NB; ++v) w[v] = b.blocks[page * NB + v];
+    for (const int64_t page_end = std::min(k, kk + b.page_steps); kk < page_end; ++kk) {
+      fetch.step();
+      __m256 weights[2 * NB];
+      for (int v = 0; v < 2 * NB; ++v) weights[v] = _mm256_loadu_ps(w[v / 2] + 8 * (v % 2));
+      for (int v = 0; v < NB; ++v) w[v] += kBlockColumns;
+      for (int m = 0; m < MR; ++m) {
+        const __m256 a = _mm256_broadcast_ss(x + m * ldx + kk);
+        for (int v = 0; v < 2 * NB; ++v) acc[m][v] = _mm256_fmadd_ps(a, weights[v], acc[m][v]);
+      }
     }
   }
   for (int m = 0; m < MR; ++m)
@@ -94,17 +117,19 @@ inline void f32_tile(const float* x, int64_t ldx, const float* b, int64_t b_bloc
 }
 #else
 template <int MR, int NB>
-inline void f32_tile(const float* x, int64_t ldx, const float* b, int64_t b_block_stride, int64_t k, Prefetcher fetch,
-                     float* c, int64_t ldc) {
+inline void f32_tile(const float* x, int64_t ldx, const BlockPages<float>& b, int64_t k, Prefetcher fetch, float* c,
+                     int64_t ldc) {
   float acc[MR][NB * kBlockColumns] = {};
-  for (int64_t kk = 0; kk < k; ++kk) {
-    fetch.step();
-    for (int v = 0; v < NB; ++v) {
-      const float* w = b + v * b_block_stride + kk * kBlockColumns;
-      for (int m = 0; m < MR; ++m) {
-        const float a = x[m * ldx + kk];
+  for (int64_t page = 0, kk = 0; page < b.num_pages; ++page) {
+    for (int64_t step = 0; step < b.page_steps && kk < k; ++step, ++kk) {
+      fetch.step();
+      for (int v = 0; v < NB; ++v) {
+        const float* w = b.blocks[page * NB + v] + step * kBlockColumns;
+        for (int m = 0; m < MR; ++m) {
+          const float a = x[m * ldx + kk];
 #pragma omp simd
-        for (int col = 0; col < kBlockColumns; ++col) acc[m][v * kBlockColumns + col] += a * w[col];
+          for (int col = 0; col < kBlockColumns; ++col) acc[m][v * kBlockColumns + col] += a * w[col];
+        }
       }
     }
   }
@@ -113,22 +138,27 @@ inline void f32_tile(const float* x, int64_t ldx, const float* b, int64_t b_bloc
 #endif
 
 #if defined(__AVX512BF16__)
-// x holds bf16 bits; k_pairs = K / 2.
+// x holds bf16 bits; k_pairs = K / 2, and the pages' steps are pairs too.
 template <int MR, int NB>
-inline void bf16_tile(const uint16_t* x, int64_t ldx, const uint16_t* b, int64_t b_block_stride, int64_t k_pairs,
-                      Prefetcher fetch, float* c, int64_t ldc) {
+inline void bf16_tile(const uint16_t* x, int64_t ldx, const BlockPages<uint16_t>& b, int64_t k_pairs, Prefetcher fetch,
+                      float* c, int64_t ldc) {
   __m512 acc[MR][NB];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < NB; ++v) acc[m][v] = _mm512_setzero_ps();
-  for (int64_t kp = 0; kp < k_pairs; ++kp) {
-    fetch.step();
-    __m512bh weights[NB];
-    for (int v = 0; v < NB; ++v) weights[v] = (__m512bh)_mm512_loadu_si512(b + v * b_block_stride + kp * 2 * kBlockColumns);
-    for (int m = 0; m < MR; ++m) {
-      int32_t pair;
-      std::memcpy(&pair, x + m * ldx + 2 * kp, sizeof(pair));
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
-      for (int v = 0; v < NB; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], a, weights[v]);
+  for (int64_t page = 0, kp = 0; page < b.num_pages; ++page) {
+    const uint16_t* w[NB];
+    for (int v = 0; v < NB; ++v) w[v] = b.blocks[page * NB + v];
+    for (const int64_t page_end = std::min(k_pairs, kp + b.page_steps); kp < page_end; ++kp) {
+      fetch.step();
+      __m512bh weights[NB];
+      for (int v = 0; v < NB; ++v) weights[v] = (__m512bh)_mm512_loadu_si512(w[v]);
+      for (int v = 0; v < NB; ++v) w[v] += 2 * kBlockColumns;
+      for (int m = 0; m < MR; ++m) {
+        int32_t pair;
+        std::memcpy(&pair, x + m * ldx + 2 * kp, sizeof(pair));
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+        for (int v = 0; v < NB; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], a, weights[v]);
+      }
     }
   }
   for (int m = 0; m < MR; ++m)
@@ -136,20 +166,22 @@ inline void bf16_tile(const uint16_t* x, int64_t ldx, const uint16_t* b, int64_t
 }
 #else
 template <int MR, int NB>
-inline void bf16_tile(const uint16_t* x, int64_t ldx, const uint16_t* b, int64_t b_block_stride, int64_t k_pairs,
-                      Prefetcher fetch, float* c, int64_t ldc) {
+inline void bf16_tile(const uint16_t* x, int64_t ldx, const BlockPages<uint16_t>& b, int64_t k_pairs, Prefetcher fetch,
+                      float* c, int64_t ldc) {
   float acc[MR][NB * kBlockColumns] = {};
   float w[2 * kBlockColumns];
-  for (int64_t kp = 0; kp < k_pairs; ++kp) {
-    fetch.step();
-    for (int v = 0; v < NB; ++v) {
-      const uint16_t* pairs = b + v * b_block_stride + kp * 2 * kBlockColumns;
+  for (int64_t page = 0, kp = 0; page < b.num_pages; ++page) {
+    for (int64_t step = 0; step < b.page_steps && kp < k_pairs; ++step, ++kp) {
+      fetch.step();
+      for (int v = 0; v < NB; ++v) {
+        const uint16_t* pairs = b.blocks[page * NB + v] + step * 2 * kBlockColumns;
 #pragma omp simd
-      for (int e = 0; e < 2 * kBlockColumns; ++e) w[e] = bf16_bits_to_float(pairs[e]);
-      for (int m = 0; m < MR; ++m) {
-        const float a0 = bf16_bits_to_float(x[m * ldx + 2 * kp]), a1 = bf16_bits_to_float(x[m * ldx + 2 * kp + 1]);
+        for (int e = 0; e < 2 * kBlockColumns; ++e) w[e] = bf16_bits_to_float(pairs[e]);
+        for (int m = 0; m < MR; ++m) {
+          const float a0 = bf16_bits_to_float(x[m * ldx + 2 * kp]), a1 = bf16_bits_to_float(x[m * ldx + 2 * kp + 1]);
 #pragma omp simd
-        for (int col = 0; col < kBlockColumns; ++col) acc[m][v * kBlockColumns + col] += a0 * w[2 * col] + a1 * w[2 * col + 1];
+          for (int col = 0; col < kBlockColumns; ++col) acc[m][v * kBlockColumns + col] += a0 * w[2 * col] + a1 * w[2 * col + 1];
+        }
       }
     }
   }

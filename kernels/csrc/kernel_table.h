@@ -14,7 +14,7 @@ namespace cpu_ops {
 
 // Bumped whenever a struct below or the table changes: a form library built from other sources is
 // refused by the bindings instead of being called with the wrong layout.
-constexpr int32_t kAbiVersion = 5;
+constexpr int32_t kAbiVersion = 6;
 
 enum class DType : int32_t { f32 = 0, bf16 = 1, f16 = 2 };
 
@@ -81,23 +81,30 @@ struct MaxLogSumExpArgs {
   float* log_normaliser;
 };
 
-// Segments [begin, end) of `segments` [n, 3] (start, length, slot): for each token t of a segment of
-// slot s and each slice i of a fused projection, with r = slice_ranks[s * num_slices + i],
-//   y[t, cols_i] += T(((x[t] @ A[s, i, :r].T) * scale[s]) @ B[s, cols_i, :r].T)
-// over weights in the tiled layout of kernels/lora/layouts.py (lora.cpp); float32 weights take any
-// x and y dtype, bf16 weights bf16 x and y.
+// One adapted module of a fused projection at one layer, in the tiled pages of
+// kernels/lora/layouts.py: a page of A is [hidden_in][16] (bf16: [hidden_in / 2][16][2]), a page of
+// B is out_features / 16 blocks of [16 rank rows][16 columns] (bf16: [8 row pairs][16][2]).
+struct LoraSlice {
+  const void* a_pages;  // [P][hidden_in * 16]
+  const void* b_pages;  // [P][out_features * 16]
+  const int64_t* ranks;  // [E]: entry e's rank on this module (0: none)
+  const int64_t* page_table;  // [E][max_pages]: entry e's pages in rank order
+  int64_t max_pages, out_features, column;  // column: the first column of y this slice adds to
+};
+
+// Segments [begin, end) of `segments` [n, 3] (start, length, entry): for each token t of a segment of
+// entry e and each slice i, with r = slices[i].ranks[e] and A_e, B_e the entry's pages read in rank
+// order (kernels.reference.add_lora):
+//   y[t, column_i : column_i + out_i] += T((x[t] @ A_e[:r].T) @ B_e[:, :r].T)
+// float32 weights take any x and y dtype, bf16 weights bf16 x and y.
 struct LoraArgs {
   DType dtype;  // of x and y
   DType weight_dtype;  // f32 or bf16
   const void* x;  // [T, hidden_in], contiguous
   void* y;  // [T, total_out], contiguous
-  const void* a_tiles;  // [S][num_slices * max_rank / 16][hidden_in][16]; bf16: [.][hidden_in / 2][16][2]
-  const void* b_tiles;  // [S][total_out / 16][max_rank][16]; bf16: [.][max_rank / 2][16][2]
   const int64_t* segments;
-  const int64_t* slice_ranks;  // [S * num_slices]
-  const int64_t* slice_offsets;  // [num_slices + 1], multiples of 16
-  const double* scales;  // [S] or null: 1
-  int64_t hidden_in, total_out, num_slices, max_rank;  // max_rank a multiple of 16
+  const LoraSlice* slices;
+  int64_t num_slices, hidden_in, total_out;
 };
 
 // Column groups [begin, end) of out [rows, n] = x [rows, k] @ W.T, float32 sums rounded once to the

@@ -59,12 +59,15 @@ void linear(const LinearArgs& args, int64_t begin, int64_t end) {
       [&](int rows, int blocks, int64_t first_row, int64_t first_block, int64_t first_line, int64_t lines, float* c) {
         const W* b = packed + first_block * block_elements;
         const Prefetcher fetch{reinterpret_cast<const char*>(b + blocks * block_elements) + 64 * first_line, lines, steps};
+        const W* block_starts[kBlocks];
+        for (int v = 0; v < blocks; ++v) block_starts[v] = b + v * block_elements;
+        const BlockPages<W> weights{block_starts, 1, steps};
         with_blocks(blocks, [&]<int NB>() {
           with_rows(rows, [&]<int MR>() {
             if constexpr (kFloat) {
-              f32_tile<MR, NB>(x + first_row * k, k, b, block_elements, steps, fetch, c, kBlocks * kBlockColumns);
+              f32_tile<MR, NB>(x + first_row * k, k, weights, steps, fetch, c, kBlocks * kBlockColumns);
             } else {
-              bf16_tile<MR, NB>(x + first_row * k, k, b, block_elements, steps, fetch, c, kBlocks * kBlockColumns);
+              bf16_tile<MR, NB>(x + first_row * k, k, weights, steps, fetch, c, kBlocks * kBlockColumns);
             }
           });
         });

@@ -1,15 +1,15 @@
-// Multi-adapter LoRA on CPU, one run of tokens sharing an adapter slot (a segment) at a time: for each
-// token t of a segment of slot s and each slice i of a fused projection (q/k/v, gate/up), with
-// r = slice_ranks[s * num_slices + i] (kernels.reference.add_lora):
-//   y[t, cols_i] += T(((x[t] @ A[s, i, :r].T) * scale[s]) @ B[s, cols_i, :r].T)
+// Multi-adapter LoRA on CPU over paged adapter weights, one run of tokens sharing an adapter entry (a
+// segment) at a time: for each token t of a segment of entry e and each slice i of a fused projection
+// (q/k/v, gate/up), with r = the entry's rank there (kernels.reference.add_lora):
+//   y[t, cols_i] += T((x[t] @ A_e.T) @ B_e.T)
 // Both products are matmuls of the segment's rows on the register tiles of the projections' matmuls
-// (gemm_tiles.h), over weights kept in the tiled layout of kernels/lora/layouts.py:
-//   A: per slot, blocks of 16 rank rows, each [hidden_in][16] (bf16: [hidden_in / 2][16][2]);
-//   B: per slot, blocks of 16 output columns, each [max_rank][16] (bf16: [max_rank / 2][16][2]).
-// The shrink computes ceil(r / 16) blocks of A per slice, the expand r rank rows of B (rows past r are
-// zero), so an adapter costs its own rank, not the pool's max_rank. The delta is accumulated in float32
-// and added to y with one rounding, as the reference does. Weights are float32 (any x and y dtype)
-// or bf16 (bf16 x and y, the engine's bf16 model: `vdpbf16ps` on AVX512-BF16, widened elsewhere).
+// (gemm_tiles.h), over the tiled pages of kernels/lora/layouts.py, wherever the adapter pool put them:
+//   the shrink computes ceil(r / 16) pages of A, each one block of 16 output columns;
+//   the expand reads B's r rank rows as k-steps, 16 (bf16: 8 pairs) per page, page after page
+//   (`BlockPages`); rows of the last page past r are zero.
+// The delta is accumulated in float32 and added to y with one rounding, as the reference does. Weights
+// are float32 (any x and y dtype) or bf16 (bf16 x and y, the engine's bf16 model: `vdpbf16ps` on
+// AVX512-BF16, widened elsewhere).
 #include <algorithm>
 #include <type_traits>
 #include <vector>
@@ -27,34 +27,24 @@ constexpr int kRows = std::is_same_v<W, float> ? kF32TileRows : kBf16TileRows;
 template <typename W>
 constexpr int kGroup = std::is_same_v<W, float> ? kF32TileBlocks : kBf16TileBlocks;
 constexpr int kMaxRows = 8, kMaxGroup = 3;  // the scratch covers any tile
-
-// One tile of the shrink or expand: rows x (blocks * 16) of `b` into c [rows, blocks * 16] (ldc),
-// from x rows of `ldx` elements; `k` as the weight's element type counts it (pairs for bf16).
+// k-steps of one page of B: 16 rank rows, or 8 pairs of them for bf16.
 template <typename W>
-void tile(int rows, int blocks, const W* x, int64_t ldx, const W* b, int64_t block_stride, int64_t k, float* c,
-          int64_t ldc) {
+constexpr int64_t kPageSteps = std::is_same_v<W, float> ? kBlockColumns : kBlockColumns / 2;
+
+// One tile of the shrink or expand: rows x (blocks * 16) of the weights `b` into c [rows, blocks * 16]
+// (ldc), from x rows of `ldx` elements; `k` as the weight's element type counts it (pairs for bf16).
+template <typename W>
+void tile(int rows, int blocks, const W* x, int64_t ldx, const BlockPages<W>& b, int64_t k, float* c, int64_t ldc) {
   with_blocks(blocks, [&]<int NB>() {
     with_rows(rows, [&]<int MR>() {
       if constexpr (std::is_same_v<W, float>) {
-        f32_tile<MR, NB>(x, ldx, b, block_stride, k, Prefetcher{}, c, ldc);
+        f32_tile<MR, NB>(x, ldx, b, k, Prefetcher{}, c, ldc);
       } else {
-        bf16_tile<MR, NB>(reinterpret_cast<const uint16_t*>(x), ldx, reinterpret_cast<const uint16_t*>(b), block_stride,
-                          k, Prefetcher{}, c, ldc);
+        const BlockPages<uint16_t> bits{reinterpret_cast<const uint16_t* const*>(b.blocks), b.num_pages, b.page_steps};
+        bf16_tile<MR, NB>(reinterpret_cast<const uint16_t*>(x), ldx, bits, k, Prefetcher{}, c, ldc);
       }
     });
   });
-}
-
-// The shrink of one slice: shrunk [rows, r16] = x_rows @ A_slice.T, in groups of kGroup blocks.
-template <typename W>
-void shrink(int rows, const W* x, int64_t ldx, const W* a_slice, int64_t hidden_in, int64_t rank16, float* shrunk,
-            int64_t ld_shrunk) {
-  const int64_t block_stride = hidden_in * kBlockColumns;
-  const int64_t k = std::is_same_v<W, float> ? hidden_in : hidden_in / 2;
-  for (int64_t first = 0; first < rank16 / kBlockColumns; first += kGroup<W>) {
-    const int blocks = static_cast<int>(std::min<int64_t>(kGroup<W>, rank16 / kBlockColumns - first));
-    tile(rows, blocks, x, ldx, a_slice + first * block_stride, block_stride, k, shrunk + first * kBlockColumns, ld_shrunk);
-  }
 }
 
 // y[rows, cols] += T(c), one rounding.
@@ -68,54 +58,71 @@ void accumulate(T* y, int64_t ldy, int rows, const float* c, int64_t ldc, int64_
   }
 }
 
-// The expand of one slice over its columns [first_col, end_col): y += s_slice @ B_slice.T.
-template <typename T, typename W>
-void expand(int rows, const W* s, int64_t lds, const W* b_slot, int64_t max_rank, int64_t rank, int64_t first_col,
-            int64_t end_col, T* y, int64_t ldy, float* c) {
-  const int64_t block_stride = max_rank * kBlockColumns;
-  const int64_t k = std::is_same_v<W, float> ? rank : (rank + 1) / 2;  // B's rows past the rank are zero
-  constexpr int64_t ldc = kGroup<W> * kBlockColumns;
-  for (int64_t col = first_col; col < end_col; col += ldc) {
-    const int blocks = static_cast<int>(std::min<int64_t>(kGroup<W>, (end_col - col) / kBlockColumns));
-    tile(rows, blocks, s, lds, b_slot + (col / kBlockColumns) * block_stride, block_stride, k, c, ldc);
-    accumulate(y + col, ldy, rows, c, ldc, blocks * kBlockColumns);
-  }
-}
-
 // The segments of one call, with per-call scratch: x rows as W (converted where x is not W), the
-// shrunk rows (float, then as W for the expand) and one output tile.
+// shrunk rows (float, then as W for the expand), one output tile and the tiles' page pointers.
 template <typename T, typename W>
 struct SegmentRunner {
   const LoraArgs& args;
-  const W* a_tiles = static_cast<const W*>(args.a_tiles);
-  const W* b_tiles = static_cast<const W*>(args.b_tiles);
-  int64_t a_slot_stride = args.num_slices * args.max_rank * args.hidden_in;
-  int64_t b_slot_stride = args.total_out * args.max_rank;
-  int64_t ld_shrunk = args.num_slices * args.max_rank;
+  int64_t max_pages = max_pages_of(args);
+  int64_t ld_shrunk = max_pages * kBlockColumns;
   std::vector<W> x_rows = std::vector<W>(kMaxRows * args.hidden_in);
   std::vector<float> shrunk = std::vector<float>(kMaxRows * ld_shrunk);
   std::vector<W> shrunk_w = std::vector<W>(std::is_same_v<W, float> ? 0 : kMaxRows * ld_shrunk);
   std::vector<float> c = std::vector<float>(kMaxRows * kMaxGroup * kBlockColumns);
+  std::vector<const W*> blocks = std::vector<const W*>(max_pages * kMaxGroup);
+
+  static int64_t max_pages_of(const LoraArgs& args) {
+    int64_t most = 1;
+    for (int64_t i = 0; i < args.num_slices; ++i) most = std::max(most, args.slices[i].max_pages);
+    return most;
+  }
 
   void run(int64_t segment) {
-    const int64_t* seg = args.segments + 3 * segment;  // start, length, slot
+    const int64_t* seg = args.segments + 3 * segment;  // start, length, entry
     for (int64_t first = seg[0]; first < seg[0] + seg[1]; first += kRows<W>)
       rows(first, static_cast<int>(std::min<int64_t>(kRows<W>, seg[0] + seg[1] - first)), seg[2]);
   }
 
-  void rows(int64_t first, int count, int64_t slot) {
+  void rows(int64_t first, int count, int64_t entry) {
     const W* x = x_as_weights(first, count);
-    const float scale = args.scales ? static_cast<float>(args.scales[slot]) : 1.f;
     for (int64_t i = 0; i < args.num_slices; ++i) {
-      const int64_t rank = std::min(args.slice_ranks[slot * args.num_slices + i], args.max_rank);
+      const LoraSlice& slice = args.slices[i];
+      const int64_t rank = slice.ranks[entry];
       if (rank == 0) continue;
-      const int64_t rank16 = (rank + kBlockColumns - 1) / kBlockColumns * kBlockColumns;
-      float* s = shrunk.data() + i * args.max_rank;
-      shrink(count, x, args.hidden_in, a_tiles + slot * a_slot_stride + i * args.max_rank * args.hidden_in,
-             args.hidden_in, rank16, s, ld_shrunk);
-      expand<T, W>(count, shrunk_as_weights(count, i, rank16, scale), ld_shrunk, b_tiles + slot * b_slot_stride,
-                   args.max_rank, rank, args.slice_offsets[i], args.slice_offsets[i + 1],
-                   static_cast<T*>(args.y) + first * args.total_out, args.total_out, c.data());
+      const int64_t* pages = slice.page_table + entry * slice.max_pages;
+      const int64_t num_pages = (rank + kBlockColumns - 1) / kBlockColumns;
+      shrink(count, x, static_cast<const W*>(slice.a_pages), pages, num_pages);
+      expand(count, shrunk_as_weights(count, num_pages), static_cast<const W*>(slice.b_pages), pages, num_pages, rank,
+             slice.out_features, static_cast<T*>(args.y) + first * args.total_out + slice.column);
+    }
+  }
+
+  // shrunk [rows, pages * 16] = x_rows @ A.T, each page one block of 16 columns, kGroup pages a tile.
+  void shrink(int rows, const W* x, const W* a_pages, const int64_t* pages, int64_t num_pages) {
+    const int64_t page_elements = args.hidden_in * kBlockColumns;
+    const int64_t k = std::is_same_v<W, float> ? args.hidden_in : args.hidden_in / 2;
+    for (int64_t first = 0; first < num_pages; first += kGroup<W>) {
+      const int group = static_cast<int>(std::min<int64_t>(kGroup<W>, num_pages - first));
+      for (int v = 0; v < group; ++v) blocks[v] = a_pages + pages[first + v] * page_elements;
+      tile(rows, group, x, args.hidden_in, BlockPages<W>{blocks.data(), 1, k}, k, shrunk.data() + first * kBlockColumns,
+           ld_shrunk);
+    }
+  }
+
+  // y[rows, 0:out] += s @ B.T, kGroup blocks of 16 columns a tile, B's rank rows paged.
+  void expand(int rows, const W* s, const W* b_pages, const int64_t* pages, int64_t num_pages, int64_t rank,
+              int64_t out_features, T* y) {
+    const int64_t page_elements = out_features * kBlockColumns;
+    const int64_t k = std::is_same_v<W, float> ? rank : (rank + 1) / 2;  // rows past the rank are zero
+    constexpr int64_t block_elements = kBlockColumns * kBlockColumns;
+    constexpr int64_t ldc = kGroup<W> * kBlockColumns;
+    for (int64_t col = 0; col < out_features; col += ldc) {
+      const int group = static_cast<int>(std::min<int64_t>(kGroup<W>, (out_features - col) / kBlockColumns));
+      for (int64_t page = 0; page < num_pages; ++page)
+        for (int v = 0; v < group; ++v)
+          blocks[page * group + v] = b_pages + pages[page] * page_elements + (col / kBlockColumns + v) * block_elements;
+      tile(rows, group, s, ld_shrunk, BlockPages<W>{blocks.data(), num_pages, kPageSteps<W>}, k, c.data(), ldc);
+      accumulate(y + col, args.total_out, rows, c.data(), ldc, group * kBlockColumns);
     }
   }
 
@@ -133,19 +140,15 @@ struct SegmentRunner {
     }
   }
 
-  // Slice i's shrunk rows scaled, as the expand's input type (rounded to bf16 for bf16 weights, as
-  // PEFT's bf16 adapters round their intermediate).
-  const W* shrunk_as_weights(int count, int64_t i, int64_t rank16, float scale) {
-    for (int r = 0; r < count; ++r) {
-      float* row = shrunk.data() + r * ld_shrunk + i * args.max_rank;
-#pragma omp simd
-      for (int64_t j = 0; j < rank16; ++j) row[j] *= scale;
-      if constexpr (!std::is_same_v<W, float>) from_float(row, shrunk_w.data() + r * ld_shrunk + i * args.max_rank, rank16);
-    }
+  // The shrunk rows as the expand's input type (rounded to bf16 for bf16 weights, as PEFT's bf16
+  // adapters round their intermediate).
+  const W* shrunk_as_weights(int count, int64_t num_pages) {
     if constexpr (std::is_same_v<W, float>) {
-      return shrunk.data() + i * args.max_rank;
+      return shrunk.data();
     } else {
-      return shrunk_w.data() + i * args.max_rank;
+      for (int r = 0; r < count; ++r)
+        from_float(shrunk.data() + r * ld_shrunk, shrunk_w.data() + r * ld_shrunk, num_pages * kBlockColumns);
+      return shrunk_w.data();
     }
   }
 };

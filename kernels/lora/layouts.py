@@ -1,119 +1,146 @@
-"""How a backend holds the adapter weights it multiplies: the adapter pool (lora_runtime.adapters.slots)
-allocates and writes its tensors through the layout its backend chose (`Backend.lora_layout`).
+"""How a backend holds adapter weights: in pages of `PAGE_ROWS` rank rows, one page pool per adapted
+module (q_proj, ..., down_proj) spanning every layer, so an adapter of rank r on a module occupies
+ceil(r / 16) pages of that module's pool wherever the pool found them, and nothing else: there is no
+slot, no padding to a maximum rank, no count of adapters. The adapter pool
+(lora_runtime.adapters.pages) allocates the pages; the backend's layout (`Backend.lora_layout`) says
+what a page holds:
 
-For each fused projection (slices: q/k/v, gate/up, or one module) and each slot:
-- `DenseLoraLayout` (PyTorch and Triton backends): lora_a [S, num_slices * R, in] (slice i's rank rows
-  at i*R), lora_b [S, total_out, R] as a view of [S, R, total_out] storage (the output dimension
-  contiguous). This is the layout `kernels.reference.add_lora` reads.
-- `TiledLoraLayout` (compiled CPU backend): the same values in the register-tile layout of the CPU
-  matmuls (kernels/csrc/lora.cpp): a_tiles [S, num_slices * R / 16, in * 16], blocks of 16 rank
-  rows each stored [in][16] (bf16: [in / 2][16][2]); b_tiles [S, total_out / 16, R * 16], blocks of 16
-  output columns each stored [R][16] (bf16: [R / 2][16][2]); R rounded up to a multiple of 16.
-Ranks below R are zero-padded and a module an adapter does not adapt stays zero, so padded parts add
-exactly nothing.
+- `RowPages` (PyTorch and Triton backends): a [L, P, 16, in] (16 rank rows of A, in contiguous),
+  b [L, P, 16, out] (the same 16 rank rows of B, transposed: out contiguous).
+- `TiledPages` (compiled CPU backend): the register-tile layout of the CPU matmuls
+  (kernels/csrc/lora.cpp): a [L, P, in * 16], a page of A stored [in][16] (bf16: [in / 2][16][2]),
+  the block of 16 output columns the shrink computes; b [L, P, out * 16], a page of B stored as
+  out / 16 blocks of [16 rank rows][16 columns] (bf16: [8 row pairs][16][2]), which the expand reads
+  as k-steps of its tiles, page after page.
+
+Rows of an adapter's last page past its rank are zero, so they add exactly nothing; a layer the
+adapter does not adapt holds zeros in its pages. `write` and `read` take a module's whole pool
+(every layer) and `pages`, the adapter's page ids in rank order; pools are allocated uninitialised,
+since only pages that were written are ever read.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-TILE = 16  # rank rows per block of A, output columns per block of B
+PAGE_ROWS = 16  # rank rows per page: the width of the CPU shrink's output block
+
+
+def pages_for_rank(rank: int) -> int:
+    return -(-rank // PAGE_ROWS)
 
 
 @dataclass(frozen=True, slots=True)
-class LoraProjection:
-    """The shape of one fused projection's adapter weights."""
+class ModuleShape:
+    """One adapted module's input and output widths."""
 
     in_features: int
-    slice_offsets: tuple[int, ...]  # [num_slices + 1] output column boundaries
-
-    @property
-    def num_slices(self) -> int:
-        return len(self.slice_offsets) - 1
-
-    @property
-    def total_out(self) -> int:
-        return self.slice_offsets[-1]
+    out_features: int
 
 
 @dataclass(frozen=True, slots=True)
-class DenseLoraLayout:
+class RowPages:
     dtype: torch.dtype
 
-    def rank_rows(self, max_rank: int) -> int:
-        return max_rank
+    def allocate(self, num_layers: int, num_pages: int, shape: ModuleShape, device) -> tuple[torch.Tensor, torch.Tensor]:
+        a = torch.empty(num_layers, num_pages, PAGE_ROWS, shape.in_features, dtype=self.dtype, device=device)
+        b = torch.empty(num_layers, num_pages, PAGE_ROWS, shape.out_features, dtype=self.dtype, device=device)
+        return a, b
 
-    def allocate(self, num_slots: int, max_rank: int, projection: LoraProjection, device) -> tuple[torch.Tensor, torch.Tensor]:
-        lora_a = torch.zeros(num_slots, max_rank * projection.num_slices, projection.in_features, dtype=self.dtype, device=device)
-        lora_b = torch.zeros(num_slots, max_rank, projection.total_out, dtype=self.dtype, device=device).transpose(1, 2)
-        return lora_a, lora_b
+    def write(self, a: torch.Tensor, b: torch.Tensor, pages: Sequence[int], lora_a: torch.Tensor,
+              lora_b: torch.Tensor) -> None:
+        """Every layer's factors lora_a [L, rank, in], lora_b [L, out, rank] into `pages` (zeros where
+        a layer is not adapted)."""
+        rows_a, rows_b = _padded_rows(len(pages), lora_a, lora_b, self.dtype)
+        num_layers, index = a.shape[0], _index(pages, a.device)
+        a.index_copy_(1, index, rows_a.view(num_layers, len(pages), PAGE_ROWS, -1).to(a.device))
+        b.index_copy_(1, index, rows_b.view(num_layers, len(pages), PAGE_ROWS, -1).to(b.device))
 
-    def write(self, lora_a: torch.Tensor, lora_b: torch.Tensor, slot: int, slice_idx: int, projection: LoraProjection,
-              a: torch.Tensor, b: torch.Tensor) -> None:
-        """Slice `slice_idx` of `slot`: a [rank, in] and b [out_i, rank] (already scaled)."""
-        rank, row = a.shape[0], slice_idx * lora_b.shape[2]
-        lora_a[slot, row : row + rank].copy_(a)
-        lora_b[slot, projection.slice_offsets[slice_idx] : projection.slice_offsets[slice_idx + 1], :rank].copy_(b)
-
-    def dense(self, lora_a: torch.Tensor, lora_b: torch.Tensor, projection: LoraProjection) -> tuple[torch.Tensor, torch.Tensor]:
-        """The weights as `kernels.reference.add_lora` reads them."""
-        return lora_a, lora_b
+    def read(self, a: torch.Tensor, b: torch.Tensor, pages: Sequence[int], rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(lora_a [L, rank, in], lora_b [L, out, rank]) as stored in `pages`."""
+        num_layers, index = a.shape[0], _index(pages, a.device)
+        rows_a = a.index_select(1, index).reshape(num_layers, -1, a.shape[-1])[:, :rank]
+        rows_b = b.index_select(1, index).reshape(num_layers, -1, b.shape[-1])[:, :rank]
+        return rows_a, rows_b.transpose(1, 2)
 
 
 @dataclass(frozen=True, slots=True)
-class TiledLoraLayout:
+class TiledPages:
     dtype: torch.dtype  # float32 or bfloat16
 
     @staticmethod
-    def fits(projection: LoraProjection, dtype: torch.dtype) -> bool:
-        """Whether the tiles cover the projection: slices in whole blocks of 16 columns (and pairs of
+    def fits(shape: ModuleShape, dtype: torch.dtype) -> bool:
+        """Whether the tiles cover the module: output columns in whole blocks of 16 (and pairs of
         in_features for bf16)."""
-        pairs = dtype != torch.bfloat16 or projection.in_features % 2 == 0
-        return pairs and all(offset % TILE == 0 for offset in projection.slice_offsets)
+        pairs = dtype != torch.bfloat16 or shape.in_features % 2 == 0
+        return pairs and shape.out_features % PAGE_ROWS == 0
 
-    def rank_rows(self, max_rank: int) -> int:
-        return -(-max_rank // TILE) * TILE
+    def allocate(self, num_layers: int, num_pages: int, shape: ModuleShape, device) -> tuple[torch.Tensor, torch.Tensor]:
+        a = torch.empty(num_layers, num_pages, shape.in_features * PAGE_ROWS, dtype=self.dtype, device=device)
+        b = torch.empty(num_layers, num_pages, shape.out_features * PAGE_ROWS, dtype=self.dtype, device=device)
+        return a, b
 
-    def allocate(self, num_slots: int, max_rank: int, projection: LoraProjection, device) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = self.rank_rows(max_rank)
-        a_tiles = torch.zeros(num_slots, projection.num_slices * rows // TILE, projection.in_features * TILE,
-                              dtype=self.dtype, device=device)
-        b_tiles = torch.zeros(num_slots, projection.total_out // TILE, rows * TILE, dtype=self.dtype, device=device)
-        return a_tiles, b_tiles
+    def write(self, a: torch.Tensor, b: torch.Tensor, pages: Sequence[int], lora_a: torch.Tensor,
+              lora_b: torch.Tensor) -> None:
+        rows_a, rows_b = _padded_rows(len(pages), lora_a, lora_b, self.dtype)
+        index = _index(pages, a.device)
+        a.index_copy_(1, index, self._a_pages(rows_a).to(a.device))
+        b.index_copy_(1, index, self._b_pages(rows_b).to(b.device))
 
-    def write(self, a_tiles: torch.Tensor, b_tiles: torch.Tensor, slot: int, slice_idx: int, projection: LoraProjection,
-              a: torch.Tensor, b: torch.Tensor) -> None:
-        rows = b_tiles.shape[2] // TILE
-        rank = a.shape[0]
-        padded_a = torch.zeros(rows, projection.in_features, dtype=self.dtype)
-        padded_a[:rank] = a
-        first_block = slice_idx * rows // TILE
-        a_tiles[slot, first_block : first_block + rows // TILE] = self._tiles(padded_a).to(a_tiles.device)
-        start, end = projection.slice_offsets[slice_idx : slice_idx + 2]
-        padded_b = torch.zeros(end - start, rows, dtype=self.dtype)
-        padded_b[:, :rank] = b
-        b_tiles[slot, start // TILE : end // TILE] = self._tiles(padded_b).to(b_tiles.device)
-
-    def _tiles(self, matrix: torch.Tensor) -> torch.Tensor:
-        """[n, k] (n a multiple of 16) -> [n / 16, k * 16]: per block of 16 rows of n, k-major with the
-        16 adjacent (bf16: pairs of k interleaved, [k / 2][16][2])."""
-        n, k = matrix.shape
+    def read(self, a: torch.Tensor, b: torch.Tensor, pages: Sequence[int], rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        num_layers, num_pages = a.shape[0], len(pages)
+        in_features, out_features = a.shape[-1] // PAGE_ROWS, b.shape[-1] // PAGE_ROWS
+        index = _index(pages, a.device)
+        a_pages, b_pages = a.index_select(1, index), b.index_select(1, index)
         if self.dtype == torch.bfloat16:
-            return matrix.view(n // TILE, TILE, k // 2, 2).permute(0, 2, 1, 3).reshape(n // TILE, k * TILE)
-        return matrix.view(n // TILE, TILE, k).permute(0, 2, 1).reshape(n // TILE, k * TILE)
+            rows_a = a_pages.view(num_layers, num_pages, in_features // 2, PAGE_ROWS, 2).permute(0, 1, 3, 2, 4)
+            blocks = b_pages.view(num_layers, num_pages, out_features // PAGE_ROWS, PAGE_ROWS // 2, PAGE_ROWS, 2)
+            rows_b = blocks.permute(0, 1, 3, 5, 2, 4)  # [layer, page, row pair, row in pair, block, column]
+        else:
+            rows_a = a_pages.view(num_layers, num_pages, in_features, PAGE_ROWS).permute(0, 1, 3, 2)
+            blocks = b_pages.view(num_layers, num_pages, out_features // PAGE_ROWS, PAGE_ROWS, PAGE_ROWS)
+            rows_b = blocks.permute(0, 1, 3, 2, 4)
+        rows_a = rows_a.reshape(num_layers, num_pages * PAGE_ROWS, in_features)[:, :rank]
+        rows_b = rows_b.reshape(num_layers, num_pages * PAGE_ROWS, out_features)[:, :rank]
+        return rows_a, rows_b.transpose(1, 2)
 
-    def _untile(self, tiles: torch.Tensor, k: int) -> torch.Tensor:
-        """[S, blocks, k * 16] -> [S, blocks * 16, k], the inverse of `_tiles` per slot."""
-        slots, blocks = tiles.shape[:2]
+    def _a_pages(self, rows: torch.Tensor) -> torch.Tensor:
+        """[L, pages * 16, in] -> [L, pages, in * 16]: each page's 16 rows in-major (bf16: pairs of in)."""
+        num_layers, num_pages, in_features = rows.shape[0], rows.shape[1] // PAGE_ROWS, rows.shape[2]
         if self.dtype == torch.bfloat16:
-            return tiles.view(slots, blocks, k // 2, TILE, 2).permute(0, 1, 3, 2, 4).reshape(slots, blocks * TILE, k)
-        return tiles.view(slots, blocks, k, TILE).permute(0, 1, 3, 2).reshape(slots, blocks * TILE, k)
+            tiles = rows.view(num_layers, num_pages, PAGE_ROWS, in_features // 2, 2).permute(0, 1, 3, 2, 4)
+        else:
+            tiles = rows.view(num_layers, num_pages, PAGE_ROWS, in_features).permute(0, 1, 3, 2)
+        return tiles.reshape(num_layers, num_pages, in_features * PAGE_ROWS)
 
-    def dense(self, a_tiles: torch.Tensor, b_tiles: torch.Tensor, projection: LoraProjection) -> tuple[torch.Tensor, torch.Tensor]:
-        """The weights as `kernels.reference.add_lora` reads them: [S, num_slices * R, in], [S, total_out, R]."""
-        rows = b_tiles.shape[2] // TILE
-        return self._untile(a_tiles, projection.in_features), self._untile(b_tiles, rows)
+    def _b_pages(self, rows: torch.Tensor) -> torch.Tensor:
+        """[L, pages * 16, out] (rank rows of B.T) -> [L, pages, out * 16]: per block of 16 columns,
+        the page's 16 rows row-major (bf16: rows in pairs, [8][16][2])."""
+        num_layers, num_pages, out_features = rows.shape[0], rows.shape[1] // PAGE_ROWS, rows.shape[2]
+        blocks = out_features // PAGE_ROWS
+        if self.dtype == torch.bfloat16:
+            tiles = rows.view(num_layers, num_pages, PAGE_ROWS // 2, 2, blocks, PAGE_ROWS).permute(0, 1, 4, 2, 5, 3)
+        else:
+            tiles = rows.view(num_layers, num_pages, PAGE_ROWS, blocks, PAGE_ROWS).permute(0, 1, 3, 2, 4)
+        return tiles.reshape(num_layers, num_pages, out_features * PAGE_ROWS)
 
 
-LoraLayout = DenseLoraLayout | TiledLoraLayout
+def _index(pages: Sequence[int], device) -> torch.Tensor:
+    return torch.tensor(pages, dtype=torch.int64, device=device)
+
+
+def _padded_rows(num_pages: int, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A's rank rows [L, pages * 16, in] and B's transposed [L, pages * 16, out], zero past the rank."""
+    num_layers, rank, in_features = lora_a.shape
+    assert rank <= num_pages * PAGE_ROWS and lora_b.shape[::2] == (num_layers, rank)
+    rows_a = torch.zeros(num_layers, num_pages * PAGE_ROWS, in_features, dtype=dtype)
+    rows_b = torch.zeros(num_layers, num_pages * PAGE_ROWS, lora_b.shape[1], dtype=dtype)
+    rows_a[:, :rank] = lora_a
+    rows_b[:, :rank] = lora_b.transpose(1, 2)
+    return rows_a, rows_b
+
+
+LoraLayout = RowPages | TiledPages

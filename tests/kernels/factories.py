@@ -1,9 +1,13 @@
 """Small builders of random kernel inputs shared by the kernel tests."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kernels import StepSequences
+from kernels.lora.layouts import LoraLayout, ModuleShape, pages_for_rank
+from kernels.lora.plans import LoraSlice, PageTable
 
 
 def scattered_paged_batch(
@@ -51,32 +55,58 @@ def dense_causal_attention(
     return out.transpose(0, 1)
 
 
-def lora_weights(
-    num_slots: int,
-    ranks: list[int],
-    max_rank: int,
+@dataclass(frozen=True)
+class PagedLora:
+    """One layer of a fused projection's adapter pages, filled as the adapter pool fills them, with
+    the same factors for `kernels.reference.add_lora`."""
+
+    slices: list[LoraSlice]  # for Backend.add_lora
+    tables: dict[str, PageTable]  # for Backend.plan_lora
+    reference_slices: list[tuple[int, int, list]]  # for reference.add_lora: (start, end, factors[e])
+
+
+def paged_lora(
+    layout: LoraLayout,
+    ranks: list[list[int]],
     hidden_in: int,
     slice_widths: list[int],
-    dtype: torch.dtype,
     generator: torch.Generator,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stacked lora_a [S, max_rank * num_slices, hidden_in], lora_b [S, total_out, max_rank] with slot
-    s's rank ranks[s] and the padding beyond it zero (as the adapter pool stores them; lora_b is
-    stored [S, max_rank, total_out] and returned as that storage's [S, total_out, max_rank] view, the
-    pool's layout, which every backend takes)."""
-    num_slices = len(slice_widths)
-    lora_a = torch.zeros(num_slots, max_rank * num_slices, hidden_in)
-    lora_b = torch.zeros(num_slots, sum(slice_widths), max_rank)
-    for slot, rank in enumerate(ranks):
-        for i in range(num_slices):
-            rows = slice(i * max_rank, i * max_rank + rank)
-            lora_a[slot, rows] = torch.randn(rank, hidden_in, generator=generator) / hidden_in**0.5
-        lora_b[slot, :, :rank] = torch.randn(sum(slice_widths), rank, generator=generator) / rank**0.5
-    return lora_a.to(dtype), lora_b.to(dtype).transpose(1, 2).contiguous().transpose(1, 2)
+    spare_pages: int = 3,
+) -> PagedLora:
+    """ranks[e][i]: entry e's rank on slice i (0: it does not adapt it). Each entry's pages are
+    scattered over a pool with `spare_pages` more pages than needed; every page no entry owns holds
+    random values (so a kernel reading a page it does not own shows up), and the factors are rounded
+    to the layout's dtype first, so the reference sees exactly what the pages hold."""
+    modules = [f"slice{i}" for i in range(len(slice_widths))]
+    needed = sum(pages_for_rank(rank) for entry in ranks for rank in entry)
+    num_pages = needed + spare_pages
+    order = torch.randperm(num_pages, generator=generator).tolist()
+    offsets = [0, *torch.tensor(slice_widths).cumsum(0).tolist()]
+    slices, tables, reference_slices = [], {}, []
+    for i, (module, width) in enumerate(zip(modules, slice_widths)):
+        a, b = layout.allocate(1, num_pages, ModuleShape(hidden_in, width), "cpu")
+        a.copy_(torch.randn(a.shape, generator=generator))
+        b.copy_(torch.randn(b.shape, generator=generator))
+        entry_pages, factors = [], []
+        for entry in ranks:
+            rank = entry[i]
+            pages = [order.pop() for _ in range(pages_for_rank(rank))]
+            entry_pages.append(tuple(pages))
+            if rank == 0:
+                factors.append(None)
+                continue
+            lora_a = (torch.randn(rank, hidden_in, generator=generator) / hidden_in**0.5).to(layout.dtype)
+            lora_b = (torch.randn(width, rank, generator=generator) / rank**0.5).to(layout.dtype)
+            layout.write(a, b, pages, lora_a[None], lora_b[None])
+            factors.append((lora_a, lora_b))
+        tables[module] = PageTable(tuple(entry[i] for entry in ranks), tuple(entry_pages))
+        slices.append(LoraSlice(module, a[0], b[0], offsets[i], offsets[i + 1]))
+        reference_slices.append((offsets[i], offsets[i + 1], factors))
+    return PagedLora(slices, tables, reference_slices)
 
 
 def popularity_slots(pattern: str, num_tokens: int, num_slots: int, generator: torch.Generator) -> torch.Tensor:
-    """Per-token slot for an adapter popularity pattern (Punica's), with -1 = no adapter."""
+    """Per-token adapter entry for a popularity pattern (Punica's), with -1 = no adapter."""
     if pattern == "distinct":
         slots = torch.arange(num_tokens) % num_slots
     elif pattern == "identical":

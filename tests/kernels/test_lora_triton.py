@@ -1,88 +1,137 @@
-"""Triton SGMV/BGMV kernels, run in the interpreter on CPU tensors, against their twins."""
+"""Triton SGMV/BGMV kernels over paged adapter weights (`RowPages`), run in the interpreter on CPU
+tensors, against `reference.add_lora`.
+
+Every row of a page pool that no entry owns (spare pages, rows of a last page past the rank) is NaN,
+so a kernel that reads past an entry's rank or pages shows NaNs; some columns of y are -0.0, so a
+kernel that writes y where it should add nothing (entry -1, rank 0 on a slice) shows +0.0."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import reference
-from kernels.lora import bgmv, sgmv
+from kernels import reference, tuning
+from kernels.lora.layouts import PAGE_ROWS, RowPages
 from kernels.lora.plans import TritonLoraPlan
-from tests.kernels.factories import lora_weights, popularity_slots
+from kernels.lora.triton_ops import add_lora_triton
+from tests.kernels.factories import PagedLora, paged_lora, popularity_slots
 
 PATTERNS = ["distinct", "uniform", "zipf", "identical", "skewed"]
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-2, torch.bfloat16: 3e-2}
-OPS = {"sgmv": (sgmv.sgmv_shrink, sgmv.sgmv_expand), "bgmv": (bgmv.bgmv_shrink, bgmv.bgmv_expand)}
+# ranks[e][i]: entry e's rank on slice i. Ranks 1, 15, 16, 17, 33, 64 on every slice, one rank of 0
+# on each slice, and an entry that adapts nothing.
+MIXED_RANKS = [[1, 16, 0], [15, 0, 17], [16, 33, 1], [17, 1, 64], [33, 64, 15], [64, 17, 16], [0, 0, 0]]
 
 
-def _case(pattern, num_tokens, dtype, hidden=40, slice_widths=(16, 8, 8), ranks=(4, 8, 2), seed=0, sort=False):
+def _case(num_tokens, pattern, dtype, ranks=MIXED_RANKS, hidden_in=40, slice_widths=(48, 16, 16), seed=0,
+          sort=False):  # fmt: skip
+    """(pages, token entries with about 20% -1, x, y) of one step."""
     gen = torch.Generator().manual_seed(seed)
-    slots = popularity_slots(pattern, num_tokens, len(ranks), gen)
-    slots[torch.rand(num_tokens, generator=gen) < 0.2] = -1
+    lora = paged_lora(RowPages(dtype), ranks, hidden_in, list(slice_widths), gen)
+    _poison_unowned_rows(lora)
+    entries = popularity_slots(pattern, num_tokens, len(ranks), gen)
+    entries[torch.rand(num_tokens, generator=gen) < 0.2] = -1
     if sort:
-        slots = slots.sort().values
-    lora_a, lora_b = lora_weights(len(ranks), list(ranks), max(ranks), hidden, list(slice_widths), dtype, gen)
-    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+        entries = entries.sort().values
+    x = torch.randn(num_tokens, hidden_in, generator=gen).to(dtype)
     y = torch.randn(num_tokens, sum(slice_widths), generator=gen).to(dtype)
-    scales = torch.rand(len(ranks), generator=gen) + 0.5
-    offsets = [0, *torch.tensor(slice_widths).cumsum(0).tolist()]
-    return y, x, lora_a, lora_b, slots.tolist(), scales, offsets
+    y[:, ::3] = -0.0
+    return lora, entries.tolist(), x, y
+
+
+def _poison_unowned_rows(lora: PagedLora) -> None:
+    """NaN into every page row of each pool that no entry's rank covers."""
+    for piece in lora.slices:
+        table = lora.tables[piece.module]
+        owned = torch.zeros(piece.a.shape[:2], dtype=torch.bool)  # [num_pages, PAGE_ROWS]
+        for rank, pages in zip(table.ranks, table.pages):
+            for i, page in enumerate(pages):
+                owned[page, : rank - i * PAGE_ROWS] = True
+        piece.a[~owned] = float("nan")
+        piece.b[~owned] = float("nan")
+
+
+def _check(lora: PagedLora, entries: list[int], x, y, run) -> None:
+    """`run(out, plan)` adds the LoRA delta into out; compared with the oracle, and bitwise on every
+    (token, slice) that must stay untouched."""
+    plan = TritonLoraPlan.build(entries, lora.tables, x.device)
+    out, expected = y.clone(), y.clone()
+    run(out, plan)
+    reference.add_lora(expected, x, entries, lora.reference_slices)
+    tolerance = TOLERANCE[y.dtype]
+    torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    for t, entry in enumerate(entries):
+        for piece, (start, end, factors) in zip(lora.slices, lora.reference_slices):
+            if entry < 0 or factors[entry] is None:
+                assert torch.equal(_bits(out[t, start:end]), _bits(y[t, start:end])), (t, piece.module)
+
+
+def _bits(values: torch.Tensor) -> torch.Tensor:
+    return values.contiguous().view(torch.uint8)
+
+
+def _kernels(lora: PagedLora, x, kind: str | None = None, split_k: int | None = None):
+    return lambda out, plan: add_lora_triton(out, x, lora.slices, plan, kind, split_k)
 
 
 @pytest.mark.parametrize("kind", ["sgmv", "bgmv"])
 @pytest.mark.parametrize("pattern", PATTERNS)
-@pytest.mark.parametrize("num_tokens", [1, 3, 7])
-def test_shrink_and_expand_match_twins(kind, pattern, num_tokens) -> None:
-    y, x, lora_a, lora_b, slots, scales, offsets = _case(pattern, num_tokens, torch.float32, seed=num_tokens)
-    plan = TritonLoraPlan.build(slots, x.device)
-    shrink, expand = OPS[kind]
-    shrunk = shrink(x, lora_a, plan)
-    torch.testing.assert_close(shrunk, reference.sgmv_shrink(x, lora_a, slots), atol=1e-4, rtol=1e-4)
-    out, expected = y.clone(), y.clone()
-    expand(out, shrunk, lora_b, plan, scales, offsets)
-    reference.sgmv_expand(expected, shrunk, lora_b, slots, scales, offsets)
-    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+@pytest.mark.parametrize("num_tokens", [1, 3, 7, 33])
+def test_mixed_ranks_match_reference(kind, pattern, num_tokens) -> None:
+    """Either kernel pair on any batch shape: ranks 1-64 and 0 mixed in one step, three slices."""
+    lora, entries, x, y = _case(num_tokens, pattern, torch.float32, seed=num_tokens)
+    _check(lora, entries, x, y, _kernels(lora, x, kind))
+
+
+@pytest.mark.parametrize("kind", ["sgmv", "bgmv"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_dtypes(kind, dtype) -> None:
+    lora, entries, x, y = _case(9, "uniform", dtype, seed=2)
+    _check(lora, entries, x, y, _kernels(lora, x, kind))
 
 
 @pytest.mark.parametrize("kind", ["sgmv", "bgmv"])
 @pytest.mark.parametrize("split_k", [1, 3])
 def test_split_k_on_and_off(kind, split_k) -> None:
-    """hidden 200 spans several BLOCK_K tiles, so each split program loops and the last is partial."""
-    y, x, lora_a, lora_b, slots, scales, offsets = _case("zipf", 5, torch.float32, hidden=200, seed=11)
-    shrunk = OPS[kind][0](x, lora_a, TritonLoraPlan.build(slots, x.device), split_k=split_k)
-    torch.testing.assert_close(shrunk, reference.sgmv_shrink(x, lora_a, slots), atol=1e-4, rtol=1e-4)
+    """hidden_in 200 spans several BLOCK_K tiles, so each split program loops and the last is partial."""
+    lora, entries, x, y = _case(6, "zipf", torch.float32, hidden_in=200, seed=11, sort=True)
+    _check(lora, entries, x, y, _kernels(lora, x, kind, split_k))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("pattern,num_tokens", [("skewed", 20), ("distinct", 6), ("uniform", 9)])
-def test_add_lora_triton_backend_matches_twin(triton_backend, dtype, pattern, num_tokens) -> None:
-    """The backend picks SGMV (long runs, sorted skewed batch) or BGMV (distinct) by batch shape;
-    unsorted tokens and tokens without an adapter included."""
-    y, x, lora_a, lora_b, slots, scales, offsets = _case(
-        pattern, num_tokens, dtype, slice_widths=(24, 8), ranks=(8, 2, 4), seed=3, sort=pattern == "skewed"
-    )
-    out, expected = y.clone(), y.clone()
-    triton_backend.add_lora(out, x, lora_a, lora_b, triton_backend.plan_lora(slots), scales.tolist(), offsets)
-    reference.add_lora(expected, x, lora_a, lora_b, slots, scales, offsets)
-    torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pattern,num_tokens,sort,bgmv", [("skewed", 20, True, False), ("distinct", 6, False, True)])
+def test_backend_picks_the_kernels(triton_backend, dtype, pattern, num_tokens, sort, bgmv) -> None:
+    """Long runs (a sorted skewed batch) take SGMV, one token per run (distinct) BGMV."""
+    lora, entries, x, y = _case(num_tokens, pattern, dtype, seed=3, sort=sort)
+    plan = TritonLoraPlan.build(entries, lora.tables, x.device)
+    assert tuning.use_bgmv(plan.num_active_tokens, plan.num_segments) == bgmv
+    backend_plan = triton_backend.plan_lora(RowPages(dtype), entries, lora.tables)
+    _check(lora, entries, x, y, lambda out, _: triton_backend.add_lora(out, x, lora.slices, backend_plan))
 
 
 def test_sgmv_tiles_long_segments() -> None:
-    """A segment longer than SGMV_BLOCK_M spans several row tiles; no scales given."""
-    y, x, lora_a, lora_b, slots, _, offsets = _case("identical", 37, torch.float32, slice_widths=(40,), ranks=(16,))
-    plan = TritonLoraPlan.build(slots, x.device)
-    out, expected = y.clone(), y.clone()
-    sgmv.sgmv_expand(out, sgmv.sgmv_shrink(x, lora_a, plan), lora_b, plan)
-    reference.add_lora(expected, x, lora_a, lora_b, slots)
-    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    """Segments longer than SGMV_BLOCK_M span several row tiles; rank 17 ends in a partial page."""
+    lora, entries, x, y = _case(37, "skewed", torch.float32, ranks=[[17], [33]], slice_widths=(40,), seed=4, sort=True)
+    _check(lora, entries, x, y, _kernels(lora, x, "sgmv"))
+
+
+@pytest.mark.parametrize("kind", ["sgmv", "bgmv"])
+def test_slices_no_entry_adapts_are_skipped(kind) -> None:
+    """No entry of the step adapts the middle slice: its columns stay bitwise untouched."""
+    lora, entries, x, y = _case(8, "uniform", torch.float32, ranks=[[4, 0, 16], [0, 0, 3], [20, 0, 0]], seed=5)
+    _check(lora, entries, x, y, _kernels(lora, x, kind))
+
+
+@pytest.mark.parametrize("kind", ["sgmv", "bgmv"])
+def test_tokens_without_entries_are_untouched(kind) -> None:
+    lora, _, x, y = _case(5, "uniform", torch.bfloat16, seed=6)
+    _check(lora, [-1] * 5, x, y, _kernels(lora, x, kind))
 
 
 @pytest.mark.slow
-def test_model_sized_fused_qkv(triton_backend) -> None:
-    """SmolLM2-135M's fused q/k/v (576 -> 576 + 192 + 192), 24 tokens over 4 adapters, bf16."""
-    y, x, lora_a, lora_b, slots, scales, offsets = _case(
-        "zipf", 24, torch.bfloat16, hidden=576, slice_widths=(576, 192, 192), ranks=(16, 8, 16, 4), seed=5, sort=True
-    )
-    out, expected = y.clone(), y.clone()
-    triton_backend.add_lora(out, x, lora_a, lora_b, triton_backend.plan_lora(slots), scales.tolist(), offsets)
-    reference.add_lora(expected, x, lora_a, lora_b, slots, scales, offsets)
-    torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=3e-2)
+@pytest.mark.parametrize("kind", ["sgmv", "bgmv"])
+def test_model_sized_fused_qkv(kind) -> None:
+    """SmolLM2-135M's fused q/k/v (576 -> 576 + 192 + 192), 24 tokens over 4 entries, bf16."""
+    ranks = [[16, 8, 16], [64, 64, 64], [8, 0, 8], [33, 17, 1]]
+    lora, entries, x, y = _case(24, "zipf", torch.bfloat16, ranks=ranks, hidden_in=576,
+                                slice_widths=(576, 192, 192), seed=7, sort=True)  # fmt: skip
+    _check(lora, entries, x, y, _kernels(lora, x, kind))

@@ -1,11 +1,11 @@
 """The engine's adapter sources, built from the operator's configuration (docs/api.md section 3).
 
-Each source is a `SourceResolver` `(ref, api_token, scope) -> local PEFT directory`; the scope is the
-caller's tenant. `pbase` reads this server's registry in that tenant; `hub` asks the hub endpoint the
-operator configured (none configured: 424 adapter_unavailable), with the caller's `api_token` only;
-`s3` reads with the server's standard AWS credentials; `local` exists only with an adapter directory,
-and its ids are relative to it. All downloads share one store under the data directory. Also the
-registry services of the routes (`adapter_services`), on the same blobs as the `pbase` source.
+Each source is an `AdapterSource`: `resolve(ref, caller) -> local PEFT directory`. `pbase` reads this
+server's registry in the caller's tenant (`caller.scope`); `hub` asks the hub endpoint the operator
+configured (none configured: 424 adapter_unavailable), with the caller's `api_token` only; `s3` reads
+with the server's standard AWS credentials; `local` exists only with an adapter directory, and its ids
+are relative to it. All downloads share one store under the data directory. Also the registry
+services of the routes (`adapter_services`), on the same blobs as the `pbase` source.
 """
 from __future__ import annotations
 
@@ -15,10 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lora_runtime import Engine
-from lora_runtime.adapters.manager import AdapterRequest, SourceResolver
 from lora_runtime.adapters.merge import MergedAdapters
 from lora_runtime.adapters.peft_format import load_peft_adapter
-from lora_runtime.adapters.refs import AdapterRef, LocalSource
+from lora_runtime.adapters.refs import AdapterRef, AdapterRequest, AdapterSource, Caller, LocalSource, parse_adapter_ref
 from lora_runtime.adapters.sources.download import AdapterStore
 from lora_runtime.adapters.sources.ids import infer_source
 from lora_runtime.adapters.sources.s3 import S3Config
@@ -52,47 +51,47 @@ def registry_blobs(config: ServerConfig) -> BlobStore:
 
 
 def build_adapter_sources(config: ServerConfig, pbase: PbaseResolver,
-                          store: AdapterStore) -> dict[str, SourceResolver]:
-    """The resolvers to pass as `Engine.from_config(..., adapter_sources=...)`."""
+                          store: AdapterStore) -> dict[str, AdapterSource]:
+    """The sources to pass as `Engine.from_config(..., adapter_sources=...)`."""
     return {
-        "pbase": lambda ref, api_token, scope: pbase.resolve(scope, ref.adapter_id),
-        "hub": _hub_resolver(config, store),
-        "s3": _s3_resolver(config, store),
-        "local": _local_resolver(config.adapter_dir),
+        "pbase": pbase,
+        "hub": _hub_source(config, store),
+        "s3": _s3_source(config, store),
+        "local": DisabledLocalSource() if config.adapter_dir is None else LocalSource(config.adapter_dir),
     }
 
 
-def _hub_resolver(config: ServerConfig, store: AdapterStore) -> SourceResolver:
+class UnconfiguredHubSource:
+    """The `hub` source of a server started without `--hub-endpoint`: every hub id is unavailable."""
+
+    def resolve(self, ref: AdapterRef, caller: Caller) -> Path:
+        raise AdapterUnavailableError(
+            f"hub adapter {ref.adapter_id!r} is unavailable: this server has no hub endpoint "
+            "configured (the operator starts it with --hub-endpoint)")
+
+
+class DisabledLocalSource:
+    """The `local` source of a server started without an adapter directory: refused as input."""
+
+    def resolve(self, ref: AdapterRef, caller: Caller) -> Path:
+        raise ValidationError("adapter_source", "local adapters are not enabled on this server")
+
+
+def _hub_source(config: ServerConfig, store: AdapterStore) -> AdapterSource:
     if config.hub_endpoint is None:
-        def unavailable(ref: AdapterRef, api_token: str | None, scope: str) -> Path:
-            raise AdapterUnavailableError(
-                f"hub adapter {ref.adapter_id!r} is unavailable: this server has no hub endpoint "
-                "configured (the operator starts it with --hub-endpoint)")
-        return unavailable
+        return UnconfiguredHubSource()
     from lora_runtime.adapters.sources.hub import HubConfig, HubSource
 
-    hub = HubSource(HubConfig(config.hub_endpoint), store)
-    return lambda ref, api_token, scope: hub.resolve(ref.adapter_id, api_token)
+    return HubSource(HubConfig(config.hub_endpoint), store)
 
 
-def _s3_resolver(config: ServerConfig, store: AdapterStore) -> SourceResolver:
+def _s3_source(config: ServerConfig, store: AdapterStore) -> AdapterSource:
     from lora_runtime.adapters.sources.s3 import S3Source
 
-    s3 = S3Source(s3_config(config), store)
-    # The caller's api_token is a hub token: S3 uses the server's own credentials only.
-    return lambda ref, api_token, scope: s3.resolve(ref.adapter_id, None)
+    return S3Source(s3_config(config), store)
 
 
-def _local_resolver(adapter_dir: Path | None) -> SourceResolver:
-    if adapter_dir is None:
-        def disabled(ref: AdapterRef, api_token: str | None, scope: str) -> Path:
-            raise ValidationError("adapter_source", "local adapters are not enabled on this server")
-        return disabled
-    local = LocalSource(adapter_dir)
-    return lambda ref, api_token, scope: local.resolve(ref, api_token)
-
-
-def engine_adapter_sources(config: ServerConfig, database: Database) -> dict[str, SourceResolver]:
+def engine_adapter_sources(config: ServerConfig, database: Database) -> dict[str, AdapterSource]:
     """The sources of the server's engine: the registry of `database` for `pbase`, the rest from
     `config`. Same blob location as `adapter_services`, which the app builds."""
     store = adapter_store(config)
@@ -113,16 +112,11 @@ class AdapterServices:
         created again never serves the old weights under the same `repo/N`. Blocks (database)."""
         if request is None:
             return None
-        adapter = request.adapter
-        if isinstance(adapter, MergedAdapters):
-            pbase_ids = [adapter_id for adapter_id in adapter.ids if infer_source(adapter_id) == "pbase"]
-        else:
-            pbase_ids = [adapter.adapter_id] if adapter.source == "pbase" else []
-        blob_ids = [self._blob_id(request.scope, adapter_id) for adapter_id in pbase_ids]
+        blob_ids = [self._blob_id(request.caller.scope, ref) for ref in _pbase_refs(request.adapter)]
         return dataclasses.replace(request, version_key=",".join(blob_ids)) if blob_ids else request
 
-    def _blob_id(self, tenant: str, adapter_id: str) -> str:
-        version, _ = version_to_serve(self.registry.sessions, tenant, adapter_id)
+    def _blob_id(self, tenant: str, ref: AdapterRef) -> str:
+        version, _ = version_to_serve(self.registry.sessions, tenant, ref)
         return version.blob_id
 
     def uploads(self, config: ServerConfig, base_url: str) -> UploadService:
@@ -131,6 +125,15 @@ class AdapterServices:
                                      url_ttl_s=config.upload_url_ttl_s,
                                      max_upload_bytes=config.max_upload_bytes)
         return UploadService(self.registry, self.signer, upload_config)
+
+
+def _pbase_refs(adapter: AdapterRef | MergedAdapters) -> list[AdapterRef]:
+    """The pbase references a request names: the adapter itself, or the pbase ids of a merge (a
+    merge carries its ids as strings)."""
+    if isinstance(adapter, MergedAdapters):
+        return [parse_adapter_ref(adapter_id, "pbase")
+                for adapter_id in adapter.ids if infer_source(adapter_id) == "pbase"]
+    return [adapter] if adapter.source == "pbase" else []
 
 
 def adapter_services(config: ServerConfig, database: Database, engine: Engine) -> AdapterServices:

@@ -10,9 +10,8 @@ import dataclasses
 import json
 from typing import Any
 
-from lora_runtime.adapters.manager import AdapterRequest
 from lora_runtime.adapters.merge import MergedAdapters
-from lora_runtime.adapters.refs import AdapterRef, parse_adapter_ref
+from lora_runtime.adapters.refs import AdapterRef, AdapterRequest, Caller, parse_adapter_ref
 from lora_runtime.adapters.sources.ids import infer_source
 from lora_runtime.core import SamplingParams
 from lora_runtime.errors import ValidationError
@@ -105,11 +104,11 @@ def adapter_reference(parameters: GenerateParameters | None, tenant: str) -> Ada
     if merged is not None and parameters.adapter_id:
         raise ValidationError("merged_adapters", "send either adapter_id or merged_adapters, not both")
     if merged is not None:
-        return AdapterRequest(_merged_adapters(merged), parameters.api_token, tenant)
+        return AdapterRequest(_merged_adapters(merged), Caller(tenant, parameters.api_token))
     if not parameters.adapter_id:
         return None
     ref = _parse_ref(parameters.adapter_id, parameters.adapter_source)
-    return AdapterRequest(ref, parameters.api_token if ref.source == "hub" else None, tenant)
+    return AdapterRequest(ref, Caller(tenant, parameters.api_token if ref.source == "hub" else None))
 
 
 def _parse_ref(adapter_id: str, adapter_source: str | None) -> AdapterRef:

@@ -1,4 +1,7 @@
-"""Adapter references: parse and validate `adapter_id` (+ `adapter_source`), and the `local` source.
+"""Adapter identity: parse and validate `adapter_id` (+ `adapter_source`) once where it enters, into
+an `AdapterRequest` (what to load, for whom) whose `key` (`AdapterKey`) names the weights everywhere
+after: the host cache, the scheduler, the device's adapter pages. Also the source protocol
+(`AdapterSource`) and the `local` source.
 
 Source inference (docs/api.md section 3): `<repo>/<int>[@<int>]` is `pbase`, `s3://...` is `s3`,
 anything else `hub`; `local` only when enabled. For the library (`allow_local=True`), a reference
@@ -11,9 +14,12 @@ backslashes, no control characters, bounded length. Local paths are checked by `
 inside its root when it has one (the server), any readable directory when it has none (the library)."""
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
+from lora_runtime.adapters.merge import MergedAdapters
 from lora_runtime.adapters.peft_format import CONFIG_FILE
 from lora_runtime.adapters.sources import ids
 from lora_runtime.errors import AdapterNotFoundError, ValidationError
@@ -32,6 +38,68 @@ class AdapterRef:
     name: str
     version: int | None = None
     revision: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who asks for an adapter: the tenant whose registry `pbase` ids are read in, and the caller's
+    hub token (sent to the hub only; never part of a key, only its digest is)."""
+
+    scope: str = ""
+    api_token: str | None = None
+
+    @property
+    def credential(self) -> str:
+        return hashlib.sha256(self.api_token.encode()).hexdigest()[:16] if self.api_token else ""
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class AdapterKey:
+    """What identifies an adapter's weights: its source and id (a merge: "merge" and its whole
+    description), the tenant it was read for, a digest of the credential that read it (so a private
+    adapter cached for one caller is never served to another on the strength of the cache alone),
+    and what a mutable id named when it was read (`version`: a pbase version's blob ids), so the same
+    id naming new content is a new key."""
+
+    source: str
+    scope: str
+    credential: str
+    version: str
+    adapter_id: str
+
+    def __str__(self) -> str:
+        scope = f"{self.scope}/" if self.scope else ""
+        return f"{scope}{self.source}:{self.adapter_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterRequest:
+    """One request's adapter, parsed: a reference or a merge, the caller, and the content key the
+    server read for it (`version_key`, see `AdapterKey.version`)."""
+
+    adapter: AdapterRef | MergedAdapters
+    caller: Caller = Caller()
+    version_key: str = ""
+
+    @property
+    def key(self) -> AdapterKey:
+        if isinstance(self.adapter, MergedAdapters):
+            merge = self.adapter
+            described = repr((merge.ids, merge.weights, merge.merge_strategy, merge.density, merge.majority_sign_method))
+            return AdapterKey("merge", self.caller.scope, self.caller.credential, self.version_key, described)
+        return AdapterKey(self.adapter.source, self.caller.scope, self.caller.credential, self.version_key,
+                          self.adapter.adapter_id)
+
+    def part(self, adapter_id: str, allow_local: bool) -> AdapterRequest:
+        """The request for one id of this merge, for the same caller."""
+        return AdapterRequest(parse_adapter_ref(adapter_id, allow_local=allow_local), self.caller)
+
+
+class AdapterSource(Protocol):
+    """Turns a validated reference into a local PEFT directory, for `caller`. Raises the typed
+    adapter errors of `lora_runtime.errors` (not found, access, unavailable, invalid)."""
+
+    def resolve(self, ref: AdapterRef, caller: Caller) -> Path: ...
 
 
 def parse_adapter_ref(
@@ -89,7 +157,7 @@ class LocalSource:
     def __init__(self, root: Path | None = None) -> None:
         self.root = root.resolve() if root is not None else None
 
-    def resolve(self, ref: AdapterRef, api_token: str | None = None) -> Path:
+    def resolve(self, ref: AdapterRef, caller: Caller = Caller()) -> Path:
         assert ref.source == "local"
         path = Path(ref.name).expanduser()
         if self.root is not None:

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from lora_runtime.adapters.manager import AdapterRequest
+from lora_runtime.adapters.refs import AdapterRequest
 from lora_runtime.async_engine import RequestStream
 from lora_runtime.core import RequestOutput, SamplingParams
 from lora_runtime.errors import EngineError, ValidationError
@@ -82,8 +82,7 @@ async def _serve(request: Request, state: ServerState, tenant_id: str, deploymen
         release = state.admission.acquire()
         is_owned_by_response = False
         try:
-            stream = await state.async_engine.add_request(body.inputs, params, adapter=adapter,
-                                                          api_token=adapter and adapter.api_token)
+            stream = await state.async_engine.add_request(body.inputs, params, adapter=adapter)
             timing = Timing(received, time.monotonic())
             if not is_stream:
                 return await _complete(request, stream, body.inputs, params, state, timing,

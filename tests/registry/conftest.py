@@ -11,6 +11,7 @@ import pytest
 from sqlalchemy import create_engine
 from sqlalchemy.orm import sessionmaker
 
+from lora_runtime.adapters.refs import Caller, parse_adapter_ref
 from lora_runtime.adapters.sources.download import ADAPTER_FILES, AdapterStore
 from server.registry.blobs import LocalBlobStore
 from server.registry.models import RegistryBase
@@ -75,6 +76,11 @@ def uploads(registry: AdapterRegistry) -> UploadService:
 @pytest.fixture()
 def resolver(registry: AdapterRegistry, tmp_path: Path) -> PbaseResolver:
     return PbaseResolver(registry.sessions, registry.blobs, AdapterStore(tmp_path / "store"))
+
+
+def resolve_in(resolver: PbaseResolver, tenant: str, adapter_id: str) -> Path:
+    """What the engine asks of the `pbase` source for a request of `tenant` naming `adapter_id`."""
+    return resolver.resolve(parse_adapter_ref(adapter_id, "pbase"), Caller(scope=tenant))
 
 
 def adapter_only(files: dict[str, bytes]) -> dict[str, bytes]:

@@ -9,15 +9,14 @@ import httpx
 import pytest
 
 from lora_runtime.adapters import MergedAdapters
-from lora_runtime.adapters.manager import AdapterRequest
-from lora_runtime.adapters.refs import parse_adapter_ref
+from lora_runtime.adapters.refs import AdapterRequest, Caller, parse_adapter_ref
 from lora_runtime.errors import AdapterNotFoundError
 from server.adapter_sources import AdapterServices
 from server.registry.service import AdapterRegistry
 from server.registry.signing import UrlSigner
 from server.registry.source import PbaseResolver
 from tests.fixtures.adapters import read_file_bytes
-from tests.registry.conftest import adapter_only, write_files
+from tests.registry.conftest import adapter_only, resolve_in, write_files
 
 
 def _upload_dir(peft_dir: Path, root: Path) -> Path:
@@ -28,9 +27,10 @@ def _upload_dir(peft_dir: Path, root: Path) -> Path:
 
 def _requests(tenant: str) -> list[AdapterRequest]:
     """Every way a request names version 1 of repo `news`."""
-    return [AdapterRequest(parse_adapter_ref("news/1"), None, tenant),
-            AdapterRequest(parse_adapter_ref("news/1@1"), None, tenant),
-            AdapterRequest(MergedAdapters(ids=("news/2", "news/1")), None, tenant)]
+    caller = Caller(scope=tenant)
+    return [AdapterRequest(parse_adapter_ref("news/1"), caller),
+            AdapterRequest(parse_adapter_ref("news/1@1"), caller),
+            AdapterRequest(MergedAdapters(ids=("news/2", "news/1")), caller)]
 
 
 def test_an_archived_version_is_not_served_until_unarchived(
@@ -39,21 +39,21 @@ def test_an_archived_version_is_not_served_until_unarchived(
     services = AdapterServices(registry, UrlSigner(b"s" * 32))
     first = registry.create_version("t1", "alice", "news", _upload_dir(peft_dirs["a"], tmp_path / "v1"))
     registry.create_version("t1", "alice", "news", _upload_dir(peft_dirs["b"], tmp_path / "v2"))
-    assert resolver.resolve("t1", "news/1").is_dir()
+    assert resolve_in(resolver, "t1", "news/1").is_dir()
     assert services.with_current_versions(_requests("t1")[0]).version_key == first.blob_id
 
     assert registry.set_archived("t1", "news", 1, True).archived
-    for ref in ("news/1", "news/1@1"):
+    for adapter_id in ("news/1", "news/1@1"):
         with pytest.raises(AdapterNotFoundError, match="archived"):
-            resolver.resolve("t1", ref)
+            resolve_in(resolver, "t1", adapter_id)
     for request in _requests("t1"):
         with pytest.raises(AdapterNotFoundError, match="archived"):
             services.with_current_versions(request)
     assert [v.archived for v in registry.get_repo("t1", "news").versions] == [True, False]
-    assert resolver.resolve("t1", "news/2").is_dir()
+    assert resolve_in(resolver, "t1", "news/2").is_dir()
 
     registry.set_archived("t1", "news", 1, False)
-    assert resolver.resolve("t1", "news/1@1").is_dir()
+    assert resolve_in(resolver, "t1", "news/1@1").is_dir()
     assert services.with_current_versions(_requests("t1")[0]).version_key == first.blob_id
 
 

@@ -17,7 +17,7 @@ from server.registry.source import PbaseResolver
 from server.registry.uploads import UploadConfig, UploadService
 from tests.fixtures.adapters import check_tiny_llama_adapter
 from tests.fixtures.s3_server import s3_server
-from tests.registry.conftest import adapter_only
+from tests.registry.conftest import adapter_only, resolve_in
 
 
 @pytest.fixture()
@@ -48,7 +48,7 @@ def test_upload_through_presigned_s3_urls(
     assert version.tag == 1
     assert s3_registry.blobs.list(f"uploads/{start.upload_token}") == {}
     resolver = PbaseResolver(s3_registry.sessions, s3_registry.blobs, AdapterStore(tmp_path / "store"))
-    stored = resolver.resolve("t1", "news/1")
+    stored = resolve_in(resolver, "t1", "news/1")
     assert {p.name: p.read_bytes() for p in stored.iterdir()} == files
     s3_registry.delete_repo("t1", "news")
     assert s3_registry.blobs.list("adapters") == {}

@@ -17,7 +17,7 @@ from server.registry.errors import UploadNotFoundError, UploadSignatureError
 from server.registry.service import AdapterRegistry
 from server.registry.source import PbaseResolver
 from server.registry.uploads import STANDARD_UPLOAD_FILES, UploadService, UploadStart
-from tests.registry.conftest import adapter_only, put_via_url
+from tests.registry.conftest import adapter_only, put_via_url, resolve_in
 
 
 def _start(uploads: UploadService, tenant: str, repo: str, files: dict[str, bytes]) -> UploadStart:
@@ -45,11 +45,11 @@ def test_upload_creates_consecutive_versions_that_resolve_in_the_tenant_only(
     first = uploads.finish_upload("t1", start.upload_token)
     second = uploads.finish_upload("t1", _upload(uploads, "t1", "news", adapter_only(peft_files["b"])))
     assert (first.to_api()["adapterPath"], second.tag, first.base_model) == ("news/1", 2, "tests/tiny-llama")
-    assert _files(resolver.resolve("t1", "news/1")) == adapter_only(peft_files["a"])
-    assert _files(resolver.for_tenant("t1").resolve("news/2", None)) == adapter_only(peft_files["b"])
-    for tenant, ref in (("t2", "news/1"), ("t1", "news/3"), ("t1", "news/1@1")):
+    assert _files(resolve_in(resolver, "t1", "news/1")) == adapter_only(peft_files["a"])
+    assert _files(resolve_in(resolver, "t1", "news/2")) == adapter_only(peft_files["b"])
+    for tenant, adapter_id in (("t2", "news/1"), ("t1", "news/3"), ("t1", "news/1@1")):
         with pytest.raises(AdapterNotFoundError):
-            resolver.resolve(tenant, ref)
+            resolve_in(resolver, tenant, adapter_id)
 
 
 def test_a_token_finishes_once_and_only_for_its_tenant(
@@ -89,7 +89,7 @@ def test_bin_weights_are_converted_to_safetensors(
     uploads: UploadService, resolver: PbaseResolver, peft_dirs: dict[str, Path], peft_files: dict[str, dict[str, bytes]]
 ) -> None:
     version = uploads.finish_upload("t1", _upload(uploads, "t1", "bin", adapter_only(peft_files["bin"])))
-    stored = resolver.resolve("t1", f"bin/{version.tag}")
+    stored = resolve_in(resolver, "t1", f"bin/{version.tag}")
     assert sorted(p.name for p in stored.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     expected = torch.load(peft_dirs["bin"] / "adapter_model.bin", weights_only=True)
     converted = load_file(stored / "adapter_model.safetensors")
@@ -146,11 +146,11 @@ def test_checkpoint_folders_become_addressable_checkpoints(
     }
     version = uploads.finish_upload("t1", _upload(uploads, "t1", "trained", files))
     assert version.checkpoints == (10, 20)
-    assert _files(resolver.resolve("t1", "trained/1@10")) == adapter_only(peft_files["a"])
-    assert _files(resolver.resolve("t1", "trained/1@20")) == adapter_only(peft_files["b"])
-    assert _files(resolver.resolve("t1", "trained/1")) == adapter_only(peft_files["b"])  # the last checkpoint
+    assert _files(resolve_in(resolver, "t1", "trained/1@10")) == adapter_only(peft_files["a"])
+    assert _files(resolve_in(resolver, "t1", "trained/1@20")) == adapter_only(peft_files["b"])
+    assert _files(resolve_in(resolver, "t1", "trained/1")) == adapter_only(peft_files["b"])  # the last checkpoint
     with pytest.raises(AdapterNotFoundError):
-        resolver.resolve("t1", "trained/1@30")
+        resolve_in(resolver, "t1", "trained/1@30")
 
 
 @pytest.mark.parametrize(
@@ -165,8 +165,8 @@ def test_deleted_versions_are_not_served(
     uploads: UploadService, registry: AdapterRegistry, resolver: PbaseResolver, peft_files: dict[str, dict[str, bytes]]
 ) -> None:
     uploads.finish_upload("t1", _upload(uploads, "t1", "news", adapter_only(peft_files["a"])))
-    resolver.resolve("t1", "news/1")  # now in the local store too
+    resolve_in(resolver, "t1", "news/1")  # now in the local store too
     registry.delete_version("t1", "news", 1)
     with pytest.raises(AdapterNotFoundError):
-        resolver.resolve("t1", "news/1")
+        resolve_in(resolver, "t1", "news/1")
     assert registry.blobs.list("adapters") == {}

@@ -8,8 +8,7 @@ import pytest
 from lora_runtime.core import SamplingParams
 from lora_runtime.errors import ValidationError
 from server.config import ServerConfig
-from lora_runtime.adapters import AdapterRef, MergedAdapters
-from lora_runtime.adapters.manager import AdapterRequest
+from lora_runtime.adapters import AdapterRef, AdapterRequest, Caller, MergedAdapters
 from server.params import adapter_headers, adapter_reference, to_sampling_params
 from server.protocol import GenerateParameters
 
@@ -91,11 +90,11 @@ def _adapter(body: dict, tenant: str = "acme"):
 def test_adapter_fields_become_a_tenant_scoped_adapter_request() -> None:
     assert _adapter({"adapter_id": ""}) is None and _adapter({}) is None
     pbase = _adapter({"adapter_id": "repo/1@3", "api_token": "hf_x"})
-    assert pbase == AdapterRequest(AdapterRef("pbase", "repo/1@3", "repo", 1, "3"), None, "acme")
+    assert pbase == AdapterRequest(AdapterRef("pbase", "repo/1@3", "repo", 1, "3"), Caller("acme"))
     hub = _adapter({"adapter_id": "org/name@v2", "api_token": "hf_x"}, tenant="other")
-    assert hub == AdapterRequest(AdapterRef("hub", "org/name@v2", "org/name", revision="v2"), "hf_x", "other")
+    assert hub == AdapterRequest(AdapterRef("hub", "org/name@v2", "org/name", revision="v2"), Caller("other", "hf_x"))
     s3 = _adapter({"adapter_id": "bucket/prefix", "adapter_source": "s3"})
-    assert s3.adapter == AdapterRef("s3", "bucket/prefix", "bucket/prefix") and s3.api_token is None
+    assert s3.adapter == AdapterRef("s3", "bucket/prefix", "bucket/prefix") and s3.caller.api_token is None
     assert _adapter({"adapter_id": "team/a", "adapter_source": "local"}).adapter.source == "local"
     merged = _adapter({"merged_adapters": {"ids": ["a/1", "org/b"], "weights": [0.5, 2],
                                            "merge_strategy": "ties", "density": 0.5}})

@@ -26,8 +26,8 @@ from huggingface_hub.errors import (
 from huggingface_hub.hf_api import RepoFile
 from tqdm.auto import tqdm
 
+from lora_runtime.adapters.refs import AdapterRef, Caller
 from lora_runtime.adapters.sources.download import AdapterStore, RemoteFile, select_adapter_files
-from lora_runtime.adapters.sources.ids import HubId, parse_hub_id
 from lora_runtime.errors import AdapterAccessError, AdapterNotFoundError, AdapterUnavailableError, EngineError
 
 logger = logging.getLogger(__name__)
@@ -40,42 +40,44 @@ class HubConfig:
 
 
 class HubSource:
-    """`resolve(adapter_id, api_token) -> Path` for `org/name[@revision]` ids."""
+    """The `hub` `AdapterSource`: `org/name[@revision]` references, read with the caller's token."""
 
     def __init__(self, config: HubConfig, store: AdapterStore) -> None:
         self.config = config
         self.store = store
 
-    def resolve(self, ref: str, api_token: str | None) -> Path:
-        """Local directory holding the adapter's files at the requested revision.
+    def resolve(self, ref: AdapterRef, caller: Caller) -> Path:
+        """Local directory holding the adapter's files at the requested revision, as the hub shows
+        them to `caller` (anonymously without an `api_token`).
 
         Raises:
-            ValidationError: a malformed id.
             AdapterNotFoundError / AdapterAccessError / AdapterInvalidError / AdapterUnavailableError.
         """
-        hub_id = parse_hub_id(ref)
-        token: str | bool = api_token or False  # False: anonymous, never a token saved on this machine
+        assert ref.source == "hub", ref
+        token: str | bool = caller.api_token or False  # False: anonymous, never a token saved on this machine
         try:
-            commit, files = self._list_adapter_files(hub_id, token)
+            commit, files = self._list_adapter_files(ref, token)
             # Root-level repos ("gpt2") get their own top directory: no org's repo can collide.
-            key = ("hub", *hub_id.repo_id.split("/"), commit) if "/" in hub_id.repo_id else ("hub-root", hub_id.repo_id, commit)
-            return self.store.fetch(key, ref, lambda staging: self._download(hub_id, commit, files, token, staging))
+            key = ("hub", *ref.name.split("/"), commit) if "/" in ref.name else ("hub-root", ref.name, commit)
+            return self.store.fetch(
+                key, ref.adapter_id, lambda staging: self._download(ref.name, commit, files, token, staging))
         except (HfHubHTTPError, httpx2.HTTPError, OSError) as error:
-            logger.warning("hub fetch of %r failed: %s", ref, error)
-            raise _typed_error(error, ref) from None
+            logger.warning("hub fetch of %r failed: %s", ref.adapter_id, error)
+            raise _typed_error(error, ref.adapter_id) from None
 
-    def _list_adapter_files(self, hub_id: HubId, token: str | bool) -> tuple[str, list[RemoteFile]]:
+    def _list_adapter_files(self, ref: AdapterRef, token: str | bool) -> tuple[str, list[RemoteFile]]:
+        """The commit `ref.revision` names (the caller's access check) and the adapter files there."""
         api = HfApi(endpoint=self.config.endpoint, token=token)
-        info = api.model_info(hub_id.repo_id, revision=hub_id.revision, timeout=self.config.timeout_s, token=token)
+        info = api.model_info(ref.name, revision=ref.revision, timeout=self.config.timeout_s, token=token)
         assert info.sha is not None, "the hub answers revision info with the commit hash"
-        tree = api.list_repo_tree(hub_id.repo_id, revision=info.sha, token=token)
+        tree = api.list_repo_tree(ref.name, revision=info.sha, token=token)
         listed = [RemoteFile(f.path, f.size) for f in tree if isinstance(f, RepoFile)]
-        return info.sha, select_adapter_files(listed, self.store.limits, hub_id.repo_id)
+        return info.sha, select_adapter_files(listed, self.store.limits, ref.adapter_id)
 
-    def _download(self, hub_id: HubId, commit: str, files: list[RemoteFile], token: str | bool, staging: Path) -> None:
+    def _download(self, repo_id: str, commit: str, files: list[RemoteFile], token: str | bool, staging: Path) -> None:
         with tempfile.TemporaryDirectory(dir=staging.parent) as scratch:
             snapshot_download(
-                hub_id.repo_id,
+                repo_id,
                 revision=commit,
                 endpoint=self.config.endpoint,
                 token=token,

@@ -21,8 +21,9 @@ import botocore.session
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
+from lora_runtime.adapters.refs import AdapterRef, Caller
 from lora_runtime.adapters.sources.download import AdapterStore, RemoteFile, copy_bounded, select_adapter_files
-from lora_runtime.adapters.sources.ids import S3Id, parse_s3_id
+from lora_runtime.adapters.sources.ids import S3Id
 from lora_runtime.errors import (
     AdapterAccessError,
     AdapterInvalidError,
@@ -68,28 +69,30 @@ def _shared_loader() -> botocore.loaders.Loader:
 
 
 class S3Source:
-    """`resolve(adapter_id, api_token) -> Path` for `s3://bucket/prefix` ids; `api_token` is unused."""
+    """The `s3` `AdapterSource`: `s3://bucket/prefix` references, read with the server's own
+    credentials (a caller's `api_token` is a hub token and never sent to S3)."""
 
     def __init__(self, config: S3Config, store: AdapterStore) -> None:
         self.store = store
         self._client = make_s3_client(config)
 
-    def resolve(self, ref: str, api_token: str | None) -> Path:
-        """Local directory holding the adapter's files.
+    def resolve(self, ref: AdapterRef, caller: Caller) -> Path:
+        """Local directory holding the adapter's files; the same for every caller.
 
         Raises:
-            ValidationError: a malformed id.
             AdapterNotFoundError / AdapterAccessError / AdapterInvalidError / AdapterUnavailableError.
         """
-        s3_id = parse_s3_id(ref)
+        assert ref.source == "s3", ref
+        bucket, _, prefix = ref.name.partition("/")  # `name` is "bucket/prefix", the prefix without a trailing "/"
+        s3_id = S3Id(bucket, prefix)
         try:
             listing = self._list(s3_id)
-            files = select_adapter_files([remote for remote, _ in listing], self.store.limits, ref)
+            files = select_adapter_files([remote for remote, _ in listing], self.store.limits, ref.adapter_id)
             key = ("s3", s3_id.bucket, _fingerprint(s3_id, listing))
-            return self.store.fetch(key, ref, lambda staging: self._download(s3_id, files, staging))
+            return self.store.fetch(key, ref.adapter_id, lambda staging: self._download(s3_id, files, staging))
         except (ClientError, BotoCoreError, OSError) as error:
-            logger.warning("s3 fetch of %r failed: %s", ref, error)
-            raise _typed_error(error, ref) from None
+            logger.warning("s3 fetch of %r failed: %s", ref.adapter_id, error)
+            raise _typed_error(error, ref.adapter_id) from None
 
     def _list(self, s3_id: S3Id) -> list[tuple[RemoteFile, str]]:
         """The objects directly under `prefix/`, each with its ETag."""

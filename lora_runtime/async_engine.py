@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from lora_runtime.adapters.refs import Caller
 from lora_runtime.core import RequestOutput, SamplingParams
 from lora_runtime.engine import Engine
 from lora_runtime.errors import EngineError, RequestAbortedError
@@ -120,26 +121,24 @@ class AsyncEngine:
         """Load the request's adapter, then validate and queue: validation and adapter failures
         raise EngineError subclasses here, before anything is streamed."""
         adapters = self.engine.adapters
-        adapter_request = adapters.parse(adapter, api_token)
+        adapter_request = adapters.parse(adapter, Caller(api_token=api_token))
+        lease = None
         if adapter_request is not None:
-            # Hold the adapter loaded (one pin of our own) while the engine thread admits the request.
-            load = adapters.acquire(adapter_request)
+            # The request's hold on its adapter, taken once here and handed to the engine with it.
+            lease = adapters.acquire(adapter_request)
             try:
-                await asyncio.wrap_future(load)
-            except asyncio.CancelledError:  # the client left while the adapter loaded
-                adapters.release_when_loaded(adapter_request.key, load)
+                await asyncio.wrap_future(lease.load)
+            except BaseException:  # its load failed, or the client left while it loaded
+                lease.release()
                 raise
         future: concurrent.futures.Future[RequestStream] = concurrent.futures.Future()
 
         def add() -> None:
             try:
-                new_id = self.engine.add_request(prompt, params, adapter_request, request_id=request_id)
+                new_id = self.engine.add_request(prompt, params, lease or adapter_request, request_id=request_id)
             except Exception as error:  # handed to the caller, who maps it to a status
                 future.set_exception(error)
                 return
-            finally:
-                if adapter_request is not None:
-                    adapters.release(adapter_request.key)
             # The stream itself is handed over: a request may finish, and leave `_streams`, before
             # the caller runs again.
             self._streams[new_id] = RequestStream(new_id, self)
@@ -159,7 +158,7 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         scheduler = self.engine.scheduler
-        cached = self.engine.adapters.cache.snapshot()  # (key, bytes, pins) per entry
+        cached = self.engine.adapters.host.snapshot()  # (key, bytes, pins) per entry
         return EngineStats(
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),

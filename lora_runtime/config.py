@@ -23,7 +23,8 @@ class KVCacheConfig:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    """Per-step budgets. Work, sequences and distinct adapters are each capped per step.
+    """Per-step budgets. Work and sequences are each capped per step; distinct adapters are not:
+    any number run in one step, as many as the device's adapter pages hold (`AdapterConfig`).
 
     Work is counted in token-equivalents, so that a budget bounds a step's time and not only its
     tokens: a chunk of `n` tokens after `c` computed ones costs `n` (projections and MLP, the same
@@ -48,7 +49,6 @@ class SchedulerConfig:
     # 0.13-0.39 s (one CPU thread, bf16), in the same total time as in 2048-token chunks.
     max_prefill_chunk_work: int = 256
     max_num_seqs: int = 64
-    max_adapters_per_step: int = 8
     # Requests waiting longer than this many steps are admitted before newer ones of popular
     # adapters, so an unpopular adapter is never starved.
     max_wait_steps_before_priority: int = 32
@@ -56,15 +56,20 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         assert self.max_num_batched_tokens > 0 and self.max_num_seqs > 0
         assert self.attention_pairs_per_token > 0 and self.max_prefill_chunk_work > 0
-        assert self.max_adapters_per_step > 0
 
 
 @dataclass(frozen=True, slots=True)
 class AdapterConfig:
-    """Adapter limits and caches. `max_rank` pads every slot; `num_slots` adapters can run at once."""
+    """Adapter limits and the memory of each tier (lora_runtime/adapters/manager.py).
+
+    `max_rank` and `max_adapter_bytes` refuse adapters above them. `device_pool_bytes` is the memory
+    the kernels read adapters from, in pages of 16 rank rows per module: an adapter occupies its own
+    rank (rounded up to 16), so it holds ~25 adapters of rank 64 on every module of the embedded model
+    in bf16, ~100 of rank 16 (float32: half). On CPU the pool's memory is committed only as pages are
+    written. `host_cache_bytes` bounds the loaded adapters kept in host memory beyond those in use."""
 
     max_rank: int = 64
-    num_slots: int = 8
+    device_pool_bytes: int = 1024 * 1024 * 1024
     host_cache_bytes: int = 1024 * 1024 * 1024
     max_adapter_bytes: int = 512 * 1024 * 1024
     allow_local_paths: bool = True

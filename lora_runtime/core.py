@@ -8,9 +8,12 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from lora_runtime.errors import ValidationError
+
+if TYPE_CHECKING:
+    from lora_runtime.adapters.refs import AdapterKey
 
 FinishReason = Literal["length", "eos_token", "stop_sequence"]
 
@@ -170,7 +173,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    adapter_key: str | None = None
+    adapter_key: AdapterKey | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING

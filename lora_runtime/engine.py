@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from concurrent.futures import Future
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,7 +15,9 @@ from pathlib import Path
 import torch
 
 import kernels
-from lora_runtime.adapters.manager import AdapterManager, SourceResolver
+from lora_runtime.adapters.cache import AdapterLease
+from lora_runtime.adapters.manager import AdapterManager, Lease
+from lora_runtime.adapters.refs import AdapterSource, Caller
 from lora_runtime.adapters.weights import BaseModelShape
 from lora_runtime.best_of import BestOfGroup
 from lora_runtime.config import EngineConfig
@@ -30,7 +31,7 @@ from lora_runtime.model_runner import ModelRunner, ModelRunnerOutput
 from lora_runtime.models.llama import LlamaModel
 from lora_runtime.request_state import RequestState
 from lora_runtime.sampling.sampler import Sampler, TokenizerInfo
-from lora_runtime.scheduler import Scheduler, SchedulerOutput
+from lora_runtime.scheduler import Scheduler
 from lora_runtime.validation import prepare_prompt
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ class Engine:
         model: LlamaModel,
         tokenizer,
         model_name: str,
-        adapter_sources: dict[str, SourceResolver] | None = None,
+        adapter_sources: dict[str, AdapterSource] | None = None,
     ) -> None:
         self.config = config
         self.model_name = model_name
@@ -53,16 +54,17 @@ class Engine:
         self.kv_cache = KVCacheManager(num_blocks, config.kv_cache.block_size_tokens)
         base_shape = BaseModelShape(model_name, model.shape.num_layers, model.shape.module_dims())
         self.adapters = AdapterManager(config.adapters, base_shape, model.backend, model.dtype, adapter_sources)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, is_adapter_ready=self.adapters.is_ready)
-        self.runner = ModelRunner(model, self.kv_cache, num_blocks, config.device)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.adapters.pages)
+        self.runner = ModelRunner(model, self.kv_cache, num_blocks, config.device, self.adapters)
         self.sampler = Sampler()
         self.tokenizer_info = TokenizerInfo(tokenizer, model.shape.vocab_size, _eos_token_ids(tokenizer, model_name))
         self._states: dict[str, RequestState] = {}
         self._group_of: dict[str, BestOfGroup] = {}  # candidate request id -> its best_of group
+        self._leases: dict[str, Lease] = {}  # request id -> its hold on its adapter
         self._request_counter = itertools.count()
 
     @classmethod
-    def from_config(cls, config: EngineConfig | None = None, adapter_sources: dict[str, SourceResolver] | None = None) -> Engine:
+    def from_config(cls, config: EngineConfig | None = None, adapter_sources: dict[str, AdapterSource] | None = None) -> Engine:
         """Load the configured model (the embedded one by default) and build the engine."""
         from transformers import AutoTokenizer
 
@@ -105,38 +107,43 @@ class Engine:
         """Validate and queue a request; returns its id. Raises ValidationError for bad input.
 
         `adapter`: None (base model), an adapter id (a local PEFT directory path works), an
-        `AdapterRef`, a `MergedAdapters` or an `AdapterRequest`. It loads in the background; other
-        requests keep running meanwhile, and a failed load fails this request only.
+        `AdapterRef`, a `MergedAdapters`, an `AdapterRequest`, or a lease from `adapters.acquire`,
+        which the engine then owns (released when the request ends, or here if it is refused). It
+        loads in the background; other requests keep running meanwhile, and a failed load fails this
+        request only.
         """
         params = params or SamplingParams()
-        adapter_request = self.adapters.parse(adapter, api_token)
-        request_id = request_id or f"req-{next(self._request_counter)}"
-        if request_id in self._states:
-            raise ValidationError("request_id", f"{request_id!r} is already in use")
-        adapter_load = self.adapters.acquire(adapter_request) if adapter_request is not None else None
+        lease = adapter if isinstance(adapter, AdapterLease) else None
         try:
-            chat_template = self._chat_template(params, adapter_request, adapter_load)
+            if lease is None:
+                adapter_request = self.adapters.parse(adapter, Caller(api_token=api_token))
+                lease = self.adapters.acquire(adapter_request) if adapter_request is not None else None
+            request_id = request_id or f"req-{next(self._request_counter)}"
+            if request_id in self._states:
+                raise ValidationError("request_id", f"{request_id!r} is already in use")
+            chat_template = self._chat_template(params, lease)
             prompt_text, token_ids = prepare_prompt(prompt, params, self, chat_template)
             request = Request(request_id=request_id, prompt_token_ids=token_ids, params=params)
             state = RequestState(request, prompt_text, self.tokenizer_info)
         except BaseException:
-            if adapter_request is not None:
-                self.adapters.release_when_loaded(adapter_request.key, adapter_load)
+            if lease is not None:
+                lease.release()
             raise
-        request.adapter_key = adapter_request.key if adapter_request is not None else None
+        if lease is not None:
+            request.adapter_key = lease.key
+            self._leases[request_id] = lease
         self._states[request_id] = state
         if params.best_of > 1:
             self._group_of[request_id] = BestOfGroup(state)
         self.scheduler.add_request(request)
         return request_id
 
-    def _chat_template(self, params: SamplingParams, adapter_request, adapter_load: Future | None) -> str | None:
+    def _chat_template(self, params: SamplingParams, lease: Lease | None) -> str | None:
         """The adapter's own chat template for apply_chat_template: this waits for the adapter to
         load (AsyncEngine loads it before calling add_request, so the server never waits here)."""
-        if not params.apply_chat_template or adapter_load is None:
+        if not params.apply_chat_template or lease is None:
             return None
-        adapter_load.result()  # raises the adapter's typed error
-        return self.adapters.chat_template(adapter_request.key)
+        return lease.load.result().chat_template  # raises the adapter's typed error
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (all its best_of candidates) wherever it is; its KV blocks are freed at
@@ -153,8 +160,9 @@ class Engine:
         """Take the request out of the scheduler (its blocks return at once) and unpin its adapter."""
         self.scheduler.finish(state.request, status)
         self._states.pop(state.request_id, None)
-        if state.request.adapter_key:
-            self.adapters.release(state.request.adapter_key)
+        lease = self._leases.pop(state.request_id, None)
+        if lease is not None:
+            lease.release()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -165,7 +173,7 @@ class Engine:
         output = self.scheduler.schedule()
         if output.is_empty:
             return failed
-        runner_output = self.runner.execute(output, lora=self._lora_for_step(output))
+        runner_output = self.runner.execute(output)
         self.scheduler.update_after_step(output)
         self._record_prompt_logprobs(runner_output)
         return failed + self._sample_and_update(runner_output)
@@ -173,26 +181,14 @@ class Engine:
     def _fail_requests_with_failed_adapters(self) -> list[RequestOutput]:
         failed = []
         for request in list(self.scheduler.waiting):
-            error = self.adapters.failure(request.adapter_key) if request.adapter_key else None
+            lease = self._leases.get(request.request_id)
+            error = lease.failure() if lease is not None else None
             if error is not None:
                 state = self._states[request.request_id]
                 state.fail(error if isinstance(error, EngineError) else EngineError(str(error)))
                 self._finish(state, RequestStatus.ABORTED)
                 failed.append(state.snapshot())
         return failed
-
-    def _lora_for_step(self, output: SchedulerOutput):
-        """Per-token adapter slots of the step (-1 = base model), or None when no token has one."""
-        keys = output.adapter_keys
-        if not keys:
-            return None
-        slot_of = self.adapters.assign_slots(keys)
-        token_slots = [
-            slot_of[item.request.adapter_key] if item.request.adapter_key else -1
-            for item in output.scheduled
-            for _ in range(item.num_new_tokens)
-        ]
-        return self.adapters.lora_batch(token_slots, set(slot_of.values()))
 
     def _record_prompt_logprobs(self, runner_output: ModelRunnerOutput) -> None:
         logits = runner_output.logits
@@ -276,8 +272,9 @@ class Engine:
             self._states[request.request_id] = child
             self._group_of[request.request_id] = group
             group.add(child)
-            if request.adapter_key:
-                self.adapters.pin(request.adapter_key)
+            parent_lease = self._leases.get(first.request_id)
+            if parent_lease is not None:
+                self._leases[request.request_id] = parent_lease.share()
             children.append(child)
         logits = logits_row.unsqueeze(0).expand(len(children), -1)
         result = self.sampler.sample(logits, [child.sampling for child in children])

@@ -8,7 +8,7 @@ import torch
 
 
 class LoraBatch(Protocol):
-    """Adds each token's adapter delta to a projection's output (see `adapters.batch`)."""
+    """Adds each token's adapter delta to a projection's output (`adapters.page_tensors.LoraStep`)."""
 
     def apply(self, layer_idx: int, projection: str, y: torch.Tensor, x: torch.Tensor) -> None:
         """y `[num_tokens, out]` += LoRA(x `[num_tokens, in]`) for projection qkv | o | gate_up | down."""

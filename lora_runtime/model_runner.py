@@ -1,5 +1,6 @@
-"""Turns a `SchedulerOutput` into the step's tensors, runs the model, and returns the logits rows.
-It makes no policy decisions: which tokens run was decided by the scheduler."""
+"""Turns a `SchedulerOutput` into the step's tensors (the attention plan, and the LoRA applier for
+the step's adapters where the scheduler placed them), runs the model, and returns the logits rows.
+It makes no policy decisions: which tokens run, and where adapters lie, was decided by the scheduler."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels
+from lora_runtime.adapters.manager import AdapterManager
 from lora_runtime.core import Request
 from lora_runtime.forward_batch import ForwardBatch, LoraBatch
 from lora_runtime.kv_cache import KVCacheManager
@@ -31,19 +33,21 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_cache: KVCacheManager, num_blocks: int, device: str) -> None:
+    def __init__(self, model: LlamaModel, kv_cache: KVCacheManager, num_blocks: int, device: str,
+                 adapters: AdapterManager | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
+        self.adapters = adapters
         self.device = device
         self.block_size = kv_cache.block_size_tokens
         self.cache_tensors = KVCacheTensors.allocate(model.shape, num_blocks, self.block_size, model.dtype, device)
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput, lora: LoraBatch | None) -> ModelRunnerOutput:
-        batch, rows = self.prepare(output, lora)
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        batch, rows = self.prepare(output)
         return ModelRunnerOutput(logits=self.model.forward(batch, self.cache_tensors), rows=rows)
 
-    def prepare(self, output: SchedulerOutput, lora: LoraBatch | None) -> tuple[ForwardBatch, LogitsRows]:
+    def prepare(self, output: SchedulerOutput) -> tuple[ForwardBatch, LogitsRows]:
         step = _StepInputs(self.block_size)
         for item in output.scheduled:
             step.add(item.request, item.num_computed_tokens, item.num_new_tokens, item.samples_next_token,
@@ -55,9 +59,19 @@ class ModelRunner:
             slot_mapping=self._tensor(step.slots),
             attention=self.model.backend.plan_attention(sequences),
             logits_indices=self._tensor(step.logits_indices),
-            lora=lora,
+            lora=self._lora(output),
         )
         return batch, LogitsRows(tuple(step.sample_requests), tuple(step.sample_rows), tuple(step.prompt_rows))
+
+    def _lora(self, output: SchedulerOutput) -> LoraBatch | None:
+        """The step's adapters applied per token (None when no token has one)."""
+        if not output.adapters:
+            return None
+        assert self.adapters is not None, "a step names adapters but this runner has none"
+        entry_of = {key: entry for entry, (key, _) in enumerate(output.adapters)}
+        token_entries = [entry_of[item.request.adapter_key] if item.request.adapter_key is not None else -1
+                         for item in output.scheduled for _ in range(item.num_new_tokens)]
+        return self.adapters.lora_step(output.adapters, token_entries)
 
     def copy_block(self, source_block: int, target_block: int) -> None:
         """Copy one KV block's contents, in every layer (best_of forks copy a partial block)."""

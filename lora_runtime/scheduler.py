@@ -1,19 +1,25 @@
 """Continuous batching that counts tokens, not phases.
 
 Each request has `num_computed_tokens`; each step grants it some of the rest, within a work budget
-(tokens plus their attention, `SchedulerConfig`), a sequence budget and a budget of distinct
-adapters. Prefill, chunked prefill, decode and recompute after preemption are the same mechanism.
-Running requests go first, decode tokens before prefill chunks, then waiting ones in arrival order;
-one request's chunk is capped, so a long prompt never holds a step for long nor fills it. When KV
-blocks run out, the newest running request is preempted (its blocks freed, recomputed later). The
-scheduler touches no tensors and can be tested with no model.
+(tokens plus their attention, `SchedulerConfig`) and a sequence budget. Prefill, chunked prefill,
+decode and recompute after preemption are the same mechanism. Running requests go first, decode
+tokens before prefill chunks, then waiting ones in arrival order; one request's chunk is capped, so a
+long prompt never holds a step for long nor fills it. When KV blocks run out, the newest running
+request is preempted (its blocks freed, recomputed later).
+
+Adapters are a resource like KV blocks, with no count per step: a waiting request is admitted once
+its adapter is loaded and its device pages are reserved in the `AdapterPagePool` (which may evict an
+adapter no running request uses); a running request keeps its adapter's pages pinned until it
+finishes or is preempted. The step's output carries where each of its adapters lies. The scheduler
+touches no tensors and can be tested with no model.
 """
 from __future__ import annotations
 
-from collections import Counter, deque
-from collections.abc import Callable
+from collections import deque
 from dataclasses import dataclass
 
+from lora_runtime.adapters.pages import AdapterPagePool, AdapterPlacement
+from lora_runtime.adapters.refs import AdapterKey
 from lora_runtime.config import SchedulerConfig
 from lora_runtime.core import Request, RequestStatus
 from lora_runtime.kv_cache import KVCacheManager
@@ -37,18 +43,16 @@ class ScheduledRequest:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerOutput:
-    """The contract between scheduler and model runner. Requests of one adapter are contiguous."""
+    """The contract between scheduler and model runner. Requests of one adapter are contiguous, and
+    `adapters` holds each adapter of the step once, in that order, with its device placement."""
 
     scheduled: tuple[ScheduledRequest, ...]
     preempted: tuple[Request, ...]
+    adapters: tuple[tuple[AdapterKey, AdapterPlacement], ...] = ()
 
     @property
     def num_batched_tokens(self) -> int:
         return sum(item.num_new_tokens for item in self.scheduled)
-
-    @property
-    def adapter_keys(self) -> set[str]:
-        return {item.request.adapter_key for item in self.scheduled if item.request.adapter_key}
 
     @property
     def is_empty(self) -> bool:
@@ -69,15 +73,10 @@ class _StepBudget:
         self.config = config
         self.work = config.max_num_batched_tokens
         self.seqs = config.max_num_seqs
-        self.adapter_keys: Counter[str] = Counter()  # adapter -> its requests in the step
 
     @property
     def is_open(self) -> bool:
         return self.work > 0 and self.seqs > 0
-
-    def admits_adapter(self, adapter_key: str | None) -> bool:
-        return (adapter_key is None or adapter_key in self.adapter_keys
-                or len(self.adapter_keys) < self.config.max_adapters_per_step)
 
     def num_tokens_for(self, request: Request) -> int:
         """The most of the request's remaining tokens whose work fits what is left of the step and
@@ -99,36 +98,24 @@ class _StepBudget:
         self.work -= chunk_work(request.num_computed_tokens, num_tokens,
                                 self.config.attention_pairs_per_token)
         self.seqs -= 1
-        if request.adapter_key:
-            self.adapter_keys[request.adapter_key] += 1
 
     def give_back(self, item: ScheduledRequest) -> None:
         """Return the share of a request taken out of the step again (preempted after it)."""
         self.work += chunk_work(item.num_computed_tokens, item.num_new_tokens,
                                 self.config.attention_pairs_per_token)
         self.seqs += 1
-        if item.request.adapter_key:
-            self.adapter_keys[item.request.adapter_key] -= 1
-            if not self.adapter_keys[item.request.adapter_key]:
-                del self.adapter_keys[item.request.adapter_key]
 
 
 class Scheduler:
-    """FCFS continuous-batching scheduler over a `KVCacheManager`.
+    """FCFS continuous-batching scheduler over a `KVCacheManager` and, for requests with an adapter,
+    an `AdapterPagePool`. Waiting requests whose adapter is still loading, or whose pages do not fit
+    beside the running requests' adapters, are passed over (others keep being served)."""
 
-    `is_adapter_ready(key)` tells whether an adapter is loaded; waiting requests whose adapter is still
-    loading are passed over (others keep being served) and admitted once it is ready.
-    """
-
-    def __init__(
-        self,
-        config: SchedulerConfig,
-        kv_cache: KVCacheManager,
-        is_adapter_ready: Callable[[str], bool] = lambda key: True,
-    ) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
+                 adapter_pages: AdapterPagePool | None = None) -> None:
         self.config = config
         self.kv_cache = kv_cache
-        self.is_adapter_ready = is_adapter_ready
+        self.adapter_pages = adapter_pages
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._waited_steps: dict[str, int] = {}
@@ -146,7 +133,10 @@ class Scheduler:
         self.waiting.append(request)
 
     def add_running(self, request: Request) -> None:
-        """Admit a request whose cache is already filled (a best_of candidate forked from another)."""
+        """Admit a request whose cache is already filled (a best_of candidate forked from another,
+        whose adapter is resident: the parent runs it)."""
+        if request.adapter_key is not None:
+            assert self._adapters().reserve(request.adapter_key), "a running request's adapter is resident"
         self._arrivals += 1
         request.arrival_order = self._arrivals
         request.status = RequestStatus.RUNNING
@@ -161,8 +151,15 @@ class Scheduler:
         self._schedule_running(budget, scheduled, preempted)
         if not preempted:
             self._schedule_waiting(budget, scheduled)
-        scheduled.sort(key=lambda item: (item.request.adapter_key or "", item.request.arrival_order))
-        return SchedulerOutput(scheduled=tuple(scheduled), preempted=tuple(preempted))
+        scheduled.sort(key=lambda item: (item.request.adapter_key is not None, item.request.adapter_key,
+                                         item.request.arrival_order))
+        keys = dict.fromkeys(item.request.adapter_key for item in scheduled if item.request.adapter_key is not None)
+        adapters = tuple((key, self._adapters().placement(key)) for key in keys)
+        return SchedulerOutput(scheduled=tuple(scheduled), preempted=tuple(preempted), adapters=adapters)
+
+    def _adapters(self) -> AdapterPagePool:
+        assert self.adapter_pages is not None, "a request names an adapter but this scheduler has no adapter pool"
+        return self.adapter_pages
 
     def _schedule_running(
         self, budget: _StepBudget, scheduled: list[ScheduledRequest], preempted: list[Request]
@@ -172,8 +169,8 @@ class Scheduler:
         for request in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
             if not budget.is_open:
                 return
-            if request.status is not RequestStatus.RUNNING or not budget.admits_adapter(request.adapter_key):
-                continue  # preempted earlier in this step, or its adapter does not fit this step
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
             num_new = budget.num_tokens_for(request)
             if num_new == 0:
                 continue
@@ -203,16 +200,24 @@ class Scheduler:
         passed_over: list[Request] = []
         while self.waiting and budget.is_open:
             request = self.waiting.popleft()
-            if not self._can_admit(request, budget):
-                passed_over.append(request)
-                if self._is_overdue(request):
-                    break  # strict FCFS from here on, so the overdue request's adapter gets in next
+            key = request.adapter_key
+            if key is not None and not self._adapters().is_loaded(key):
+                passed_over.append(request)  # still loading: waiting longer is not the scheduler's doing
                 continue
             num_new = budget.num_tokens_for(request)
-            num_needed = request.num_computed_tokens + num_new
-            if num_new == 0 or not self.kv_cache.allocate_slots(request.request_id, num_needed):
+            if num_new == 0:
                 passed_over.append(request)
-                break  # out of work or blocks: admitting later arrivals first would break FCFS
+                break  # out of work: admitting later arrivals first would break FCFS
+            if key is not None and not self._adapters().reserve(key):
+                passed_over.append(request)
+                if self._is_overdue(request):
+                    break  # strict FCFS from here on, so the running adapters drain and this one fits
+                continue  # its pages are held by running adapters: later requests of resident ones go on
+            if not self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
+                if key is not None:
+                    self._adapters().release(key)
+                passed_over.append(request)
+                break  # out of blocks: admitting later arrivals first would break FCFS
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._waited_steps.pop(request.request_id, None)
@@ -222,19 +227,15 @@ class Scheduler:
             self._waited_steps[request.request_id] = self._waited_steps.get(request.request_id, 0) + 1
         self.waiting.extendleft(reversed(passed_over))
 
-    def _can_admit(self, request: Request, budget: _StepBudget) -> bool:
-        if request.adapter_key and not self.is_adapter_ready(request.adapter_key):
-            return False
-        return budget.admits_adapter(request.adapter_key)
-
     def _is_overdue(self, request: Request) -> bool:
-        if request.adapter_key and not self.is_adapter_ready(request.adapter_key):
-            return False  # still loading: waiting longer is not the scheduler's doing
         return self._waited_steps.get(request.request_id, 0) >= self.config.max_wait_steps_before_priority
 
     def _preempt(self, request: Request) -> None:
-        """Free the request's blocks; it will recompute its prompt and outputs when readmitted."""
+        """Free the request's blocks and its adapter's pin; it will recompute its prompt and outputs
+        when readmitted."""
         self.kv_cache.free(request.request_id)
+        if request.adapter_key is not None:
+            self._adapters().release(request.adapter_key)
         self.num_preemptions += 1
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -253,9 +254,12 @@ class Scheduler:
             item.request.num_computed_tokens += item.num_new_tokens
 
     def finish(self, request: Request, status: RequestStatus = RequestStatus.FINISHED) -> None:
-        """Remove a request (finished or aborted) wherever it is and free its blocks at once."""
+        """Remove a request (finished or aborted) wherever it is and free its blocks (and, if it was
+        running, its adapter's pin) at once."""
         if request in self.running:
             self.running.remove(request)
+            if request.adapter_key is not None:
+                self._adapters().release(request.adapter_key)
         elif request in self.waiting:
             self.waiting.remove(request)
         self._waited_steps.pop(request.request_id, None)

@@ -5,8 +5,10 @@ Invariants (checked by tests/adapters/test_cache.py):
 - a pinned entry is never evicted;
 - concurrent first requests for one key run its loader once and all get the same value;
 - a failed load fails only the requests waiting for it and caches nothing, so a later request
-  tries again.
-Keys are whatever identifies an adapter (a resolved reference, a `MergedAdapters`): hashable."""
+  tries again;
+- nothing is kept for a key but its entry and, while it loads, its future.
+Keys are whatever identifies an adapter (`refs.AdapterKey`): hashable. Holders take pins through
+`lease`: an `AdapterLease` is released exactly once, whenever its load settles."""
 from __future__ import annotations
 
 import logging
@@ -31,17 +33,10 @@ class _Entry(Generic[Value]):
 
 
 class AdapterCache(Generic[Key, Value]):
-    """Values produced by `loader(key)` on a small thread pool, sized by `size_of(value)`."""
+    """Values produced by each key's `load()` on a small thread pool, sized by `size_of(value)`."""
 
-    def __init__(
-        self,
-        loader: Callable[[Key], Value],
-        size_of: Callable[[Value], int],
-        max_bytes: int,
-        num_workers: int = 2,
-    ) -> None:
+    def __init__(self, size_of: Callable[[Value], int], max_bytes: int, num_workers: int = 2) -> None:
         assert max_bytes > 0 and num_workers > 0
-        self._loader = loader
         self._size_of = size_of
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
@@ -50,10 +45,15 @@ class AdapterCache(Generic[Key, Value]):
         self._num_bytes = 0
         self._executor = ThreadPoolExecutor(num_workers, thread_name_prefix="adapter-load")
 
-    def get_or_load(self, key: Key, pin: bool = False) -> Future[Value]:
+    def lease(self, key: Key, load: Callable[[], Value]) -> AdapterLease[Key, Value]:
+        """A pin on `key`'s value, loaded by `load()` if it is neither cached nor loading."""
+        return AdapterLease(self, key, self.get_or_load(key, load, pin=True))
+
+    def get_or_load(self, key: Key, load: Callable[[], Value], pin: bool = False) -> Future[Value]:
         """A future of the value: done at once when cached, else shared with the load in flight
-        (started here if none is). With `pin`, the entry is pinned as soon as it is cached (before
-        any eviction can touch it); the caller then owes one `unpin`, unless the future fails."""
+        (started here with `load` if none is). With `pin`, the entry is pinned as soon as it is
+        cached (before any eviction can touch it); the caller then owes one `unpin`, unless the
+        future fails."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
@@ -68,7 +68,7 @@ class AdapterCache(Generic[Key, Value]):
                 return future
             future = Future()
             self._loading[key] = (future, int(pin))
-        self._executor.submit(self._load, key, future)
+        self._executor.submit(self._load, key, load, future)
         return future
 
     def pin(self, key: Key) -> None:
@@ -119,9 +119,9 @@ class AdapterCache(Generic[Key, Value]):
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
-    def _load(self, key: Key, future: Future[Value]) -> None:
+    def _load(self, key: Key, load: Callable[[], Value], future: Future[Value]) -> None:
         try:
-            value = self._loader(key)
+            value = load()
             num_bytes = self._size_of(value)
         except BaseException as error:  # noqa: BLE001 - handed to the waiters, never swallowed
             with self._lock:
@@ -146,3 +146,33 @@ class AdapterCache(Generic[Key, Value]):
             logger.debug("evicted adapter %r (%d bytes)", key, entry.num_bytes)
             if self._num_bytes <= self.max_bytes:
                 return
+
+
+class AdapterLease(Generic[Key, Value]):
+    """One holder's pin on a cache entry, taken when the load was asked for: the holder (a request)
+    hands it on rather than taking another, and `release` gives it back exactly once, at once when
+    the load has succeeded, when it does otherwise (a failed load holds no pin)."""
+
+    __slots__ = ("_cache", "key", "load", "_released")
+
+    def __init__(self, cache: AdapterCache[Key, Value], key: Key, load: Future[Value]) -> None:
+        self._cache = cache
+        self.key = key
+        self.load = load
+        self._released = False
+
+    def failure(self) -> BaseException | None:
+        """The load's error once it has failed, else None."""
+        return self.load.exception() if self.load.done() else None
+
+    def share(self) -> AdapterLease[Key, Value]:
+        """Another pin on the same loaded entry, for another holder (a best_of candidate)."""
+        assert self.load.done() and self.load.exception() is None, "only a loaded adapter is shared"
+        self._cache.pin(self.key)
+        return AdapterLease(self._cache, self.key, self.load)
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self.load.add_done_callback(lambda done: self._cache.unpin(self.key) if done.exception() is None else None)

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import kernels
-from lora_runtime.adapters.manager import AdapterManager, AdapterRequest
+from lora_runtime.adapters.manager import AdapterManager
 from lora_runtime.adapters.peft_format import BIN_FILE, SAFETENSORS_FILE, load_peft_adapter
-from lora_runtime.adapters.refs import parse_adapter_ref
+from lora_runtime.adapters.refs import AdapterRequest, Caller, parse_adapter_ref
 from lora_runtime.adapters.sources.download import ADAPTER_FILES, AdapterStore
 from lora_runtime.adapters.weights import AdapterLimits, BaseModelShape
 from lora_runtime.config import AdapterConfig
@@ -72,8 +72,8 @@ def _manager(tmp_path: Path, hub: HubServer) -> AdapterManager:
 
 
 def _engine_refusal(manager: AdapterManager, adapter_id: str, source: str) -> str:
-    request = AdapterRequest(parse_adapter_ref(adapter_id, source, allow_local=True), None, "demo")
-    error = manager.acquire(request).exception(timeout=60)
+    request = AdapterRequest(parse_adapter_ref(adapter_id, source, allow_local=True), Caller(scope="demo"))
+    error = manager.acquire(request).load.exception(timeout=60)
     assert isinstance(error, AdapterInvalidError), repr(error)
     return error.message
 

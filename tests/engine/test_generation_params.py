@@ -60,7 +60,7 @@ def test_best_of_computes_the_prompt_once_and_returns_the_best_mean_logprob(engi
 
 def _finish_step(engine: Engine, output):
     """Run a step whose schedule was already taken (as Engine.step does after scheduling)."""
-    runner_output = engine.runner.execute(output, lora=engine._lora_for_step(output))
+    runner_output = engine.runner.execute(output)
     engine.scheduler.update_after_step(output)
     finished = [o for o in engine._sample_and_update(runner_output) if o.finished]
     return finished[0] if finished else None

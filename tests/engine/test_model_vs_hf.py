@@ -54,7 +54,7 @@ def test_prefill_and_decode_logits_match_hf(tmp_path, model_type: str, max_token
     num_decode_steps = 0
     while num_decode_steps < 3:
         output = scheduler.schedule()
-        result = runner.execute(output, lora=None)
+        result = runner.execute(output)
         scheduler.update_after_step(output)
         reference = {r.request_id: _hf_logits(hf_model, r.all_token_ids) for r in requests}
         for request, first_position, first_row, num_rows in result.rows.prompt_rows:

@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from lora_runtime.adapters.pages import AdapterPagePool
 from lora_runtime.config import SchedulerConfig
 from lora_runtime.core import RequestStatus
 from lora_runtime.kv_cache import BlockAllocator, KVCacheManager
@@ -28,6 +29,11 @@ def _simulate_step(scheduler: Scheduler) -> list:
                 scheduler.finish(request)
                 finished.append(request)
     return output, finished
+
+
+def _adapter_pool(num_pages: int, ranks: dict[str, int]) -> AdapterPagePool:
+    """A page pool over one module, adapter key -> its rank there (keys absent: still loading)."""
+    return AdapterPagePool(num_pages, ("q_proj",), lambda key: {"q_proj": ranks[key]} if key in ranks else None)
 
 
 def _work(item: ScheduledRequest, config: SchedulerConfig) -> int:
@@ -64,10 +70,12 @@ def test_block_table_grows_by_whole_blocks_and_refuses_when_full() -> None:
 def test_random_workload_respects_budgets_and_frees_every_block(seed: int) -> None:
     rng = random.Random(seed)
     # 16 pairs per token make attention count at these small contexts, so the work caps bind.
-    config = SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=5, max_adapters_per_step=2,
-                             attention_pairs_per_token=16, max_prefill_chunk_work=12)
+    config = SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=5, attention_pairs_per_token=16,
+                             max_prefill_chunk_work=12)
     kv = KVCacheManager(num_blocks=14, block_size_tokens=4)
-    scheduler = Scheduler(config, kv)
+    # Two of the three adapters fit the pool at once: their pages bind as the KV blocks do.
+    pages = _adapter_pool(7, {"a": 64, "b": 48, "c": 33})
+    scheduler = Scheduler(config, kv, pages)
     requests = [
         make_request(f"r{i}", rng.randint(1, 30), rng.randint(1, 12), rng.choice([None, "a", "b", "c"]))
         for i in range(25)
@@ -86,12 +94,15 @@ def test_random_workload_respects_budgets_and_frees_every_block(seed: int) -> No
         assert sum(_work(item, config) for item in output.scheduled) <= config.max_num_batched_tokens
         assert all(_work(item, config) <= config.max_prefill_chunk_work for item in output.scheduled)
         assert len(output.scheduled) <= config.max_num_seqs
-        assert len(output.adapter_keys) <= config.max_adapters_per_step
         keys = [item.request.adapter_key or "" for item in output.scheduled]
         assert keys == sorted(keys), "one adapter's tokens must be contiguous"
+        assert [key for key, _ in output.adapters] == list(dict.fromkeys(key for key in keys if key))
+        assert all(pages.placement(key) == placement for key, placement in output.adapters)
+        running_keys = {r.adapter_key for r in scheduler.running if r.adapter_key}
+        assert running_keys <= {k for k in "abc" if pages.is_resident(k)} and pages.num_pinned == len(running_keys)
         assert kv.num_free_blocks + sum(len(kv.block_table(r.request_id)) for r in scheduler.running) == kv.num_blocks
     assert len(finished) == len(requests), "every request finishes: none starved"
-    assert kv.num_free_blocks == kv.num_blocks
+    assert kv.num_free_blocks == kv.num_blocks and pages.num_pinned == 0
     assert preemptions > 0, "the cache is small enough that this workload must preempt"
 
 
@@ -122,10 +133,11 @@ def test_chunked_prefill_grants_the_rest_over_several_steps() -> None:
 
 
 def test_unpopular_adapter_is_not_starved_by_popular_ones() -> None:
-    """Two popular adapters keep the single adapter slot per step busy with new arrivals; the
-    request for a third adapter still runs once it has waited long enough."""
-    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_adapters_per_step=1, max_wait_steps_before_priority=4)
-    scheduler = Scheduler(config, KVCacheManager(num_blocks=256, block_size_tokens=4))
+    """A popular adapter's new arrivals keep the pool, which holds one adapter, pinned; the request
+    for another adapter still runs once it has waited long enough."""
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_wait_steps_before_priority=4)
+    pages = _adapter_pool(4, {"popular": 64, "rare": 64})
+    scheduler = Scheduler(config, KVCacheManager(num_blocks=256, block_size_tokens=4), pages)
     scheduler.add_request(make_request("popular-0", 4, 3, "popular"))
     scheduler.add_request(make_request("rare", 4, 3, "rare"))
     for step in range(40):
@@ -137,15 +149,46 @@ def test_unpopular_adapter_is_not_starved_by_popular_ones() -> None:
 
 
 def test_waiting_request_whose_adapter_is_loading_does_not_block_others() -> None:
-    ready = {"fast"}
-    scheduler = Scheduler(SchedulerConfig(), KVCacheManager(64, 4), is_adapter_ready=lambda key: key in ready)
+    loaded = {"fast": 16}
+    scheduler = Scheduler(SchedulerConfig(), KVCacheManager(64, 4), _adapter_pool(8, loaded))
     scheduler.add_request(make_request("slow", 4, 2, "slow"))
     scheduler.add_request(make_request("fast", 4, 2, "fast"))
     output, _ = _simulate_step(scheduler)
     assert [item.request.request_id for item in output.scheduled] == ["fast"]
-    ready.add("slow")
+    loaded["slow"] = 16
     output, _ = _simulate_step(scheduler)
     assert "slow" in [item.request.request_id for item in output.scheduled]
+
+
+def test_any_number_of_adapters_run_in_one_step() -> None:
+    """300 requests of 300 adapters of ranks 8-64 all run in the first step when their pages fit."""
+    ranks = {f"adapter-{i:03d}": (8, 16, 32, 64)[i % 4] for i in range(300)}
+    pages = _adapter_pool(sum(-(-rank // 16) for rank in ranks.values()), ranks)
+    config = SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=512)
+    scheduler = Scheduler(config, KVCacheManager(1024, 16), pages)
+    for key in ranks:
+        scheduler.add_request(make_request(key, 5, 2, key))
+    output, _ = _simulate_step(scheduler)
+    assert len(output.scheduled) == 300 and [key for key, _ in output.adapters] == sorted(ranks)
+    assert sum(placement.num_pages for _, placement in output.adapters) == pages.num_pages
+
+
+def test_adapters_that_do_not_fit_wait_while_resident_ones_run() -> None:
+    """The pool holds two rank-64 adapters: a third waits (its request passed over, not failed) while
+    requests of the resident ones keep being admitted; when the running ones finish it gets in, and
+    once it finishes too its adapter stays resident, idle. (Preemption's pins: the random workload.)"""
+    pages = _adapter_pool(8, {"a": 64, "b": 64, "c": 64})
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64), KVCacheManager(64, 4), pages)
+    for request_id, key in [("a0", "a"), ("b0", "b"), ("c0", "c"), ("a1", "a")]:
+        scheduler.add_request(make_request(request_id, 4, 2, key))
+    output, _ = _simulate_step(scheduler)
+    assert [item.request.request_id for item in output.scheduled] == ["a0", "a1", "b0"]
+    assert [r.request_id for r in scheduler.waiting] == ["c0"] and pages.num_pinned == 2
+    _simulate_step(scheduler)  # a0, a1, b0 draw their second token and finish
+    output, _ = _simulate_step(scheduler)
+    assert [item.request.request_id for item in output.scheduled] == ["c0"]
+    _simulate_step(scheduler)
+    assert scheduler.num_unfinished == 0 and pages.num_pinned == 0 and pages.is_resident("c")
 
 
 def test_long_prefill_leaves_room_for_decodes_and_new_requests_every_step() -> None:

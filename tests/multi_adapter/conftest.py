@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 
 import kernels
 from lora_runtime import Engine, EngineConfig
+from lora_runtime.adapters.refs import AdapterSource
 from lora_runtime.config import AdapterConfig, SchedulerConfig
 from lora_runtime.embedded import ensure_embedded_model
 from lora_runtime.loader import load_model
@@ -62,7 +63,11 @@ def peft_models(hf_base, adapter_dirs) -> dict[str, PeftModel]:
     }
 
 
-def make_engine(tiny_dir: Path, adapters: AdapterConfig = AdapterConfig(), scheduler: SchedulerConfig = SchedulerConfig()) -> Engine:
-    config = EngineConfig(model=str(tiny_dir), dtype="float32", adapters=adapters, scheduler=scheduler)
+def make_engine(tiny_dir: Path, adapters: AdapterConfig = AdapterConfig(), scheduler: SchedulerConfig = SchedulerConfig(),
+                backend: str | None = None, sources: dict[str, AdapterSource] | None = None) -> Engine:
+    """Our engine on the tiny model in float32, on the device's backend or the one named."""
+    config = EngineConfig(model=str(tiny_dir), dtype="float32", kernel_backend=backend, adapters=adapters,
+                          scheduler=scheduler)
     tokenizer = AutoTokenizer.from_pretrained(ensure_embedded_model())
-    return Engine(config, load_model(tiny_dir, "float32", "cpu", kernels.backend_for("cpu")), tokenizer, TINY_NAME)
+    model = load_model(tiny_dir, "float32", "cpu", kernels.backend_for("cpu", backend))
+    return Engine(config, model, tokenizer, TINY_NAME, sources)

@@ -24,5 +24,6 @@ def test_an_adapter_shipping_a_template_has_it_chosen(tiny_dir, adapter_dirs, tm
         {"chat_template": [{"name": "tool_use", "template": "x"}, {"name": "default", "template": ADAPTER_TEMPLATE}]}))
     engine = make_engine(tiny_dir)
     for directory, expected in ((adapter, ADAPTER_TEMPLATE), (named, ADAPTER_TEMPLATE), (adapter_dirs["q_v_r8"], None)):
-        request = engine.adapters.parse(str(directory))
-        assert engine._chat_template(PARAMS, request, engine.adapters.acquire(request)) == expected
+        lease = engine.adapters.acquire(engine.adapters.parse(str(directory)))
+        assert engine._chat_template(PARAMS, lease) == expected
+        lease.release()

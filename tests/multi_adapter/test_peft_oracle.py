@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from lora_runtime import SamplingParams
-from lora_runtime.config import AdapterConfig, SchedulerConfig
+from lora_runtime.adapters.page_tensors import bytes_per_page
+from lora_runtime.config import AdapterConfig
+from tests.adapters.peft_factory import tiny_shape
 from tests.multi_adapter.conftest import ADAPTER_CONFIGS, make_engine
 
 ATOL = 1e-4
@@ -52,15 +54,20 @@ def test_batch_invariance_alone_equals_together(tiny_dir, adapter_dirs) -> None:
     assert len({tuple(t) for t in together}) > 2, "adapters must change the outputs for this test to mean anything"
 
 
-def test_more_adapters_than_slots_still_serves_everyone(tiny_dir, adapter_dirs) -> None:
-    """Five adapters through two device slots: slots are reassigned between steps."""
-    engine = make_engine(tiny_dir, AdapterConfig(num_slots=2), SchedulerConfig(max_adapters_per_step=2))
+def test_more_adapters_than_the_pool_holds_at_once_still_serves_everyone(tiny_dir, adapter_dirs) -> None:
+    """Six adapters of rank <= 16 through a pool of two pages per module (two adapters at once):
+    requests wait for pages, idle adapters are evicted and placed again, and every request gets
+    what it gets alone."""
+    one_page = bytes_per_page(tiny_shape(), torch.float32)
+    engine = make_engine(tiny_dir, AdapterConfig(max_rank=16, device_pool_bytes=2 * one_page))
+    assert engine.adapters.pages.num_pages == 2
     params = SamplingParams(max_new_tokens=3, ignore_eos_token=True)
     names = list(ADAPTER_CONFIGS)
     adapters = [str(adapter_dirs[name]) for name in names]
     together = [o.token_ids for o in engine.generate(PROMPTS[: len(names)], params, adapters=adapters)]
     alone = [make_engine(tiny_dir).generate([p], params, adapters=[a])[0].token_ids for p, a in zip(PROMPTS, adapters)]
     assert together == alone
+    assert engine.adapters.pages.num_resident < len(names) and engine.adapters.pages.num_pinned == 0
 
 
 def _corrupt(directory, tmp_path, name: str, mutate) -> str:

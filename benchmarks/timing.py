@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import resource
 import time
+from pathlib import Path
 
 
 class Timer:
@@ -19,6 +20,15 @@ class Timer:
     def report(self, num_tokens: int) -> dict:
         return {"tokens": num_tokens, "wall_s": self.wall, "cpu_s": self.cpu,
                 "tokens_per_s": num_tokens / self.wall, "tokens_per_cpu_s": num_tokens / self.cpu}
+
+
+def rss_mib() -> float:
+    """The process's resident memory now (Linux; the peak elsewhere)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except OSError:
+        return peak_rss_mib()
+    return pages * resource.getpagesize() / 2**20
 
 
 def peak_rss_mib() -> float:

@@ -49,14 +49,17 @@ class RowPages:
         b = torch.empty(num_layers, num_pages, PAGE_ROWS, shape.out_features, dtype=self.dtype, device=device)
         return a, b
 
+    def tile(self, lora_a: torch.Tensor, lora_b: torch.Tensor, num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's factors lora_a [L, rank, in], lora_b [L, out, rank] (zeros where a layer is
+        not adapted) as `num_pages` pages: contiguous (a [L, n, 16, in], b [L, n, 16, out]) on the CPU."""
+        rows_a, rows_b = _padded_rows(num_pages, lora_a, lora_b, self.dtype)
+        num_layers = rows_a.shape[0]
+        return rows_a.view(num_layers, num_pages, PAGE_ROWS, -1), rows_b.view(num_layers, num_pages, PAGE_ROWS, -1)
+
     def write(self, a: torch.Tensor, b: torch.Tensor, pages: Sequence[int], lora_a: torch.Tensor,
               lora_b: torch.Tensor) -> None:
-        """Every layer's factors lora_a [L, rank, in], lora_b [L, out, rank] into `pages` (zeros where
-        a layer is not adapted)."""
-        rows_a, rows_b = _padded_rows(len(pages), lora_a, lora_b, self.dtype)
-        num_layers, index = a.shape[0], _index(pages, a.device)
-        a.index_copy_(1, index, rows_a.view(num_layers, len(pages), PAGE_ROWS, -1).to(a.device))
-        b.index_copy_(1, index, rows_b.view(num_layers, len(pages), PAGE_ROWS, -1).to(b.device))
+        """`tile` the factors into `pages`."""
+        write_tiles(a, b, pages, *self.tile(lora_a, lora_b, len(pages)))
 
     def read(self, a: torch.Tensor, b: torch.Tensor, pages: Sequence[int], rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(lora_a [L, rank, in], lora_b [L, out, rank]) as stored in `pages`."""
@@ -82,12 +85,16 @@ class TiledPages:
         b = torch.empty(num_layers, num_pages, shape.out_features * PAGE_ROWS, dtype=self.dtype, device=device)
         return a, b
 
+    def tile(self, lora_a: torch.Tensor, lora_b: torch.Tensor, num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `RowPages.tile`, in this layout: (a [L, n, in * 16], b [L, n, out * 16])."""
+        rows_a, rows_b = _padded_rows(num_pages, lora_a, lora_b, self.dtype)
+        num_layers, in_features, out_features = rows_a.shape[0], rows_a.shape[2], rows_b.shape[2]
+        return (self._a_tiles(rows_a).reshape(num_layers, num_pages, in_features * PAGE_ROWS),
+                self._b_tiles(rows_b).reshape(num_layers, num_pages, out_features * PAGE_ROWS))
+
     def write(self, a: torch.Tensor, b: torch.Tensor, pages: Sequence[int], lora_a: torch.Tensor,
               lora_b: torch.Tensor) -> None:
-        rows_a, rows_b = _padded_rows(len(pages), lora_a, lora_b, self.dtype)
-        index = _index(pages, a.device)
-        a.index_copy_(1, index, self._a_pages(rows_a).to(a.device))
-        b.index_copy_(1, index, self._b_pages(rows_b).to(b.device))
+        write_tiles(a, b, pages, *self.tile(lora_a, lora_b, len(pages)))
 
     def read(self, a: torch.Tensor, b: torch.Tensor, pages: Sequence[int], rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         num_layers, num_pages = a.shape[0], len(pages)
@@ -106,29 +113,34 @@ class TiledPages:
         rows_b = rows_b.reshape(num_layers, num_pages * PAGE_ROWS, out_features)[:, :rank]
         return rows_a, rows_b.transpose(1, 2)
 
-    def _a_pages(self, rows: torch.Tensor) -> torch.Tensor:
-        """[L, pages * 16, in] -> [L, pages, in * 16]: each page's 16 rows in-major (bf16: pairs of in)."""
+    def _a_tiles(self, rows: torch.Tensor) -> torch.Tensor:
+        """[L, pages * 16, in] -> a view [L, pages, ...]: each page's 16 rows in-major (bf16: pairs of in)."""
         num_layers, num_pages, in_features = rows.shape[0], rows.shape[1] // PAGE_ROWS, rows.shape[2]
         if self.dtype == torch.bfloat16:
-            tiles = rows.view(num_layers, num_pages, PAGE_ROWS, in_features // 2, 2).permute(0, 1, 3, 2, 4)
-        else:
-            tiles = rows.view(num_layers, num_pages, PAGE_ROWS, in_features).permute(0, 1, 3, 2)
-        return tiles.reshape(num_layers, num_pages, in_features * PAGE_ROWS)
+            return rows.view(num_layers, num_pages, PAGE_ROWS, in_features // 2, 2).permute(0, 1, 3, 2, 4)
+        return rows.view(num_layers, num_pages, PAGE_ROWS, in_features).permute(0, 1, 3, 2)
 
-    def _b_pages(self, rows: torch.Tensor) -> torch.Tensor:
-        """[L, pages * 16, out] (rank rows of B.T) -> [L, pages, out * 16]: per block of 16 columns,
+    def _b_tiles(self, rows: torch.Tensor) -> torch.Tensor:
+        """[L, pages * 16, out] (rank rows of B.T) -> a view [L, pages, ...]: per block of 16 columns,
         the page's 16 rows row-major (bf16: rows in pairs, [8][16][2])."""
         num_layers, num_pages, out_features = rows.shape[0], rows.shape[1] // PAGE_ROWS, rows.shape[2]
         blocks = out_features // PAGE_ROWS
         if self.dtype == torch.bfloat16:
-            tiles = rows.view(num_layers, num_pages, PAGE_ROWS // 2, 2, blocks, PAGE_ROWS).permute(0, 1, 4, 2, 5, 3)
-        else:
-            tiles = rows.view(num_layers, num_pages, PAGE_ROWS, blocks, PAGE_ROWS).permute(0, 1, 3, 2, 4)
-        return tiles.reshape(num_layers, num_pages, out_features * PAGE_ROWS)
+            return rows.view(num_layers, num_pages, PAGE_ROWS // 2, 2, blocks, PAGE_ROWS).permute(0, 1, 4, 2, 5, 3)
+        return rows.view(num_layers, num_pages, PAGE_ROWS, blocks, PAGE_ROWS).permute(0, 1, 3, 2, 4)
 
 
 def _index(pages: Sequence[int], device) -> torch.Tensor:
     return torch.tensor(pages, dtype=torch.int64, device=device)
+
+
+def write_tiles(a: torch.Tensor, b: torch.Tensor, pages: Sequence[int], a_tiles: torch.Tensor,
+                b_tiles: torch.Tensor) -> None:
+    """Pages made by a layout's `tile` into the pools `a`, `b` at `pages`: a plain copy per page and
+    layer-run (with the transfer to the pools' device), the layout's work done by `tile` already."""
+    for pool, tiles in ((a, a_tiles), (b, b_tiles)):
+        for i, page in enumerate(pages):
+            pool[:, page].copy_(tiles[:, i].view(pool.shape[0], *pool.shape[2:]))
 
 
 def _padded_rows(num_pages: int, lora_a: torch.Tensor, lora_b: torch.Tensor,

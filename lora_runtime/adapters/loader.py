@@ -33,10 +33,6 @@ class LoadedAdapter:
             ranks[module] = max(ranks.get(module, 0), factors.rank)
         object.__setattr__(self, "module_ranks", ranks)
 
-    @property
-    def num_bytes(self) -> int:
-        return self.weights.num_bytes
-
 
 class AdapterLoader:
     def __init__(self, base_shape: BaseModelShape, limits: AdapterLimits, sources: Mapping[str, AdapterSource],

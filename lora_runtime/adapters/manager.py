@@ -21,8 +21,8 @@ import torch
 import kernels
 from kernels.lora.layouts import pages_for_rank
 from lora_runtime.adapters.cache import AdapterCache, AdapterLease
-from lora_runtime.adapters.loader import AdapterLoader, LoadedAdapter
-from lora_runtime.adapters.page_tensors import AdapterPageTensors, LoraStep, bytes_per_page, module_shapes
+from lora_runtime.adapters.loader import AdapterLoader
+from lora_runtime.adapters.page_tensors import AdapterPageTensors, HostAdapter, LoraStep, bytes_per_page, module_shapes
 from lora_runtime.adapters.pages import AdapterPagePool, AdapterPlacement
 from lora_runtime.adapters.refs import AdapterKey, AdapterRequest, AdapterSource, Caller
 from lora_runtime.adapters.weights import MODULE_NAMES, AdapterLimits, BaseModelShape
@@ -30,7 +30,7 @@ from lora_runtime.config import AdapterConfig
 
 logger = logging.getLogger(__name__)
 
-Lease = AdapterLease[AdapterKey, LoadedAdapter]
+Lease = AdapterLease[AdapterKey, HostAdapter]
 
 
 class AdapterManager:
@@ -46,7 +46,7 @@ class AdapterManager:
         self.base_shape = base_shape
         self.limits = AdapterLimits(max_rank=config.max_rank, max_bytes=config.max_adapter_bytes)
         self.loader = AdapterLoader(base_shape, self.limits, sources or {}, config.allow_local_paths)
-        self.host: AdapterCache[AdapterKey, LoadedAdapter] = AdapterCache(
+        self.host: AdapterCache[AdapterKey, HostAdapter] = AdapterCache(
             size_of=lambda adapter: adapter.num_bytes, max_bytes=config.host_cache_bytes,
             num_workers=config.num_loader_threads,
         )
@@ -65,9 +65,9 @@ class AdapterManager:
         return self.loader.parse(adapter, caller)
 
     def acquire(self, request: AdapterRequest) -> Lease:
-        """Start (or join) the load of the request's adapter; the lease pins its host copy until
-        released."""
-        return self.host.lease(request.key, lambda: self.loader.load(request))
+        """Start (or join) the load of the request's adapter (read, then laid out as the device's
+        pages, on the loader's threads); the lease pins its host copy until released."""
+        return self.host.lease(request.key, lambda: self.page_tensors.prepare(self.loader.load(request)))
 
     def module_ranks(self, key: Hashable) -> Mapping[str, int] | None:
         """The ranks per module of a loaded adapter (what its pages must hold); None while it is not
@@ -81,7 +81,7 @@ class AdapterManager:
         for key, placement in entries:
             loaded = self.host.get(key)
             assert loaded is not None, f"adapter {key} is scheduled but not in the host cache"
-            self.page_tensors.ensure(key, placement, loaded.weights)
+            self.page_tensors.ensure(key, placement, loaded)
         return LoraStep(self.page_tensors, self.backend, [placement for _, placement in entries], token_entries)
 
     def close(self) -> None:

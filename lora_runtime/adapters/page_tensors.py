@@ -3,19 +3,23 @@ in the layout of the engine's kernel backend, the writes that fill an adapter's 
 applier of one step (`LoraStep`). Which pages an adapter owns is decided by `pages.AdapterPagePool`;
 this module only holds what the pages contain.
 
-A write fills all of an adapter's pages in every layer (zeros where a layer or a rank row is not
-adapted), with the adapter's scale folded into B, so the kernels run each entry at its own rank with
-no scale. What each page holds is recorded by owner, so an adapter placed where it was before and not
-overwritten since is not written again, and one whose pages were given to another is."""
+An adapter enters the host tier already in the pages' layout (`prepare`, on the loader's threads):
+all of its pages in every layer (zeros where a layer or a rank row is not adapted), with its scale
+folded into B, so the kernels run each entry at its own rank with no scale, and placing it in the
+step is a plain copy per page. What each page holds is recorded by owner, so an adapter placed where
+it was before and not overwritten since is not written again, and one whose pages were given to
+another is."""
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
 import kernels
-from kernels.lora.layouts import PAGE_ROWS, LoraLayout, ModuleShape
+from kernels.lora.layouts import PAGE_ROWS, LoraLayout, ModuleShape, pages_for_rank, write_tiles
 from kernels.lora.plans import LoraSlice, PageTable
+from lora_runtime.adapters.loader import LoadedAdapter
 from lora_runtime.adapters.pages import AdapterPlacement
 from lora_runtime.adapters.weights import MODULE_NAMES, BaseModelShape, LoraWeights
 
@@ -37,6 +41,21 @@ def bytes_per_page(base_shape: BaseModelShape, dtype: torch.dtype) -> int:
     adapting all modules costs."""
     widths = sum(shape.in_features + shape.out_features for shape in module_shapes(base_shape).values())
     return base_shape.num_layers * widths * PAGE_ROWS * dtype.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class HostAdapter:
+    """An adapter as the host tier keeps it: each adapted module's pages in the device layout
+    (module -> (a [L, n, ...], b [L, n, ...]), n = pages for the module's rank), the ranks they hold,
+    and the chat template the adapter ships."""
+
+    tiles: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
+    module_ranks: Mapping[str, int]
+    chat_template: str | None
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.tiles.values())
 
 
 class AdapterPageTensors:
@@ -64,8 +83,16 @@ class AdapterPageTensors:
     def slices(self, layer: int, projection: str) -> tuple[LoraSlice, ...]:
         return self._slices[layer, projection]
 
-    def ensure(self, key: Hashable, placement: AdapterPlacement, weights: LoraWeights) -> None:
-        """Make the pages of `placement` hold `key`'s weights."""
+    def prepare(self, loaded: LoadedAdapter) -> HostAdapter:
+        """`loaded` in the pages' layout, ready to be placed anywhere (thread-safe: it writes no page)."""
+        tiles = {}
+        for module, rank in loaded.module_ranks.items():
+            lora_a, lora_b = self._stacked(loaded.weights, module, rank)
+            tiles[module] = self.layout.tile(lora_a, lora_b, pages_for_rank(rank))
+        return HostAdapter(tiles, loaded.module_ranks, loaded.chat_template)
+
+    def ensure(self, key: Hashable, placement: AdapterPlacement, adapter: HostAdapter) -> None:
+        """Make the pages of `placement` hold `key`'s pages."""
         if self._written.get(key) == placement:
             return
         self._written.pop(key, None)
@@ -75,21 +102,18 @@ class AdapterPageTensors:
                 if previous is not None and previous != key:
                     self._written.pop(previous, None)
         for module, run in placement.modules.items():
-            a, b = self.tensors[module]
-            lora_a, lora_b = self._stacked(weights, module, run.rank, a.shape[0], a.dtype)
-            self.layout.write(a, b, run.pages, lora_a, lora_b)
+            write_tiles(*self.tensors[module], run.pages, *adapter.tiles[module])
         for module, run in placement.modules.items():
             self._owner.update(((module, page), key) for page in run.pages)
         self._written[key] = placement
 
-    def _stacked(self, weights: LoraWeights, module: str, rank: int, num_layers: int,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _stacked(self, weights: LoraWeights, module: str, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer's factors of `module` at `rank` (layers it does not adapt, and rank rows past
-        a layer's own rank, zero): lora_a [L, rank, in], lora_b [L, out, rank] scaled."""
+        a layer's own rank, zero): lora_a [L, rank, in], lora_b [L, out, rank] scaled, in float32."""
         shape = self.shapes[module]
-        lora_a = torch.zeros(num_layers, rank, shape.in_features, dtype=dtype)
-        lora_b = torch.zeros(num_layers, shape.out_features, rank, dtype=dtype)
-        for layer in range(num_layers):
+        lora_a = torch.zeros(self.num_layers, rank, shape.in_features)
+        lora_b = torch.zeros(self.num_layers, shape.out_features, rank)
+        for layer in range(self.num_layers):
             factors = weights.modules.get((layer, module))
             if factors is not None:
                 lora_a[layer, : factors.rank] = factors.lora_a

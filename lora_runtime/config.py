@@ -66,7 +66,9 @@ class AdapterConfig:
     the kernels read adapters from, in pages of 16 rank rows per module: an adapter occupies its own
     rank (rounded up to 16), so it holds ~25 adapters of rank 64 on every module of the embedded model
     in bf16, ~100 of rank 16 (float32: half). On CPU the pool's memory is committed only as pages are
-    written. `host_cache_bytes` bounds the loaded adapters kept in host memory beyond those in use."""
+    first written, and that first write pays the OS's first touch (on the VMs this was measured on,
+    ~40x the copy: ~50 ms for a rank-32 adapter on every module), once per page per process.
+    `host_cache_bytes` bounds the loaded adapters kept in host memory beyond those in use."""
 
     max_rank: int = 64
     device_pool_bytes: int = 1024 * 1024 * 1024

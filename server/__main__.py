@@ -58,6 +58,11 @@ def _parser() -> argparse.ArgumentParser:
     adapters.add_argument("--public-url", default=None,
                           help="base URL of signed upload URLs (default: the URL the client used)")
     adapters.add_argument("--max-upload-bytes", type=int, default=_DEFAULTS.max_upload_bytes)
+    adapters.add_argument("--adapter-pool-mib", type=int, default=None,
+                          help="memory of the device pages adapters are served from, which bounds the adapters "
+                               "resident at once (default: AdapterConfig's, 1024)")
+    adapters.add_argument("--adapter-host-cache-mib", type=int, default=None,
+                          help="memory of the host cache of loaded adapters (default: AdapterConfig's, 1024)")
     adapters.add_argument("--demo-adapters", type=Path, default=_DEFAULTS.demo_adapters_dir,
                           help="adapters registered for tenant demo on a first start")
     commands = parser.add_subparsers(dest="command")
@@ -113,7 +118,10 @@ def _serve(args: argparse.Namespace, config: ServerConfig, database: Database) -
     options = (("model", args.model), ("dtype", args.dtype), ("device", args.device))
     engine_options = {key: value for key, value in options if value is not None}
     # Requests never name server paths: `local` is the configured adapter directory or nothing.
-    engine_config = EngineConfig(**engine_options, adapters=AdapterConfig(allow_local_paths=False))
+    memory = (("device_pool_bytes", args.adapter_pool_mib), ("host_cache_bytes", args.adapter_host_cache_mib))
+    adapter_memory = {key: mib * 2**20 for key, mib in memory if mib is not None}
+    adapter_config = AdapterConfig(**adapter_memory, allow_local_paths=False)
+    engine_config = EngineConfig(**engine_options, adapters=adapter_config)
     engine = Engine.from_config(engine_config, adapter_sources=engine_adapter_sources(config, database))
     private = read_deployments_file(config.deployments_file) if config.deployments_file else []
     register_deployments(database, [engine.model_name], private)

@@ -35,10 +35,13 @@ class Limits(BaseModel):
 
 
 class Runtime(BaseModel):
-    """How the engine computes: its dtype (resolved when configured "auto") and kernel backend."""
+    """How the engine computes: its dtype (resolved when configured "auto") and kernel backend; the
+    memory of its adapter tiers."""
 
     dtype: str
     kernel_backend: str  # "cpu/<instruction-set form>", "torch" or "triton"
+    adapter_pool_bytes: int  # the device pages adapters are served from (pages of 16 rank rows)
+    adapter_host_cache_bytes: int
 
 
 class Info(BaseModel):
@@ -86,7 +89,9 @@ async def info(request: Request) -> Info:
         max_stop_sequences=engine_limits.max_stop_sequences, max_best_of=engine_limits.max_best_of)
     deployments = [DeploymentInfo(name=d.name, base_model=d.base_model, shared=d.is_shared)
                    for d in visible_deployments(state.database, tenant)]
-    runtime = Runtime(dtype=state.engine.dtype_name, kernel_backend=state.engine.kernel_backend)
+    adapters = state.engine.config.adapters
+    runtime = Runtime(dtype=state.engine.dtype_name, kernel_backend=state.engine.kernel_backend,
+                      adapter_pool_bytes=adapters.device_pool_bytes, adapter_host_cache_bytes=adapters.host_cache_bytes)
     return Info(version=_version(), tenant=tenant, base_models=[state.model_name],
                 deployments=deployments, limits=limits, runtime=runtime)
 

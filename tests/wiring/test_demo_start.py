@@ -52,7 +52,7 @@ def test_first_start_registers_demo_adapters_and_prints_a_working_curl(tmp_path:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
     command = [sys.executable, "-m", "server", "--port", str(port), "--data-dir", str(tmp_path / "data"),
-               "--dtype", "float32", "--demo-adapters", str(_demo_dir(tmp_path))]
+               "--dtype", "float32", "--demo-adapters", str(_demo_dir(tmp_path)), "--adapter-pool-mib", "96"]
     process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.DEVNULL, text=True)
     try:
@@ -73,6 +73,8 @@ def test_first_start_registers_demo_adapters_and_prints_a_working_curl(tmp_path:
         assert response.headers["x-adapter-id"] == "french/1"
         assert response.headers["x-adapter-source"] == "pbase"
         assert response.json()["generated_text"].strip(), "the printed example must produce text"
+        runtime = httpx.get(f"http://127.0.0.1:{port}/info", headers={"Authorization": f"Bearer {token}"}).json()["runtime"]
+        assert runtime["adapter_pool_bytes"] == 96 * 2**20
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(60)

@@ -250,10 +250,14 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for popularity in POPULARITIES:
+    base = report["base"]["tokens_per_cpu_s"]
+    for popularity, color in zip(POPULARITIES, ("tab:blue", "tab:orange")):
         rows = [r for r in report["rows"] if r["popularity"] == popularity or r["num_adapters"] == 1]
-        ax.plot([r["num_adapters"] for r in rows], [r["tokens_per_cpu_s"] for r in rows], marker="o", label=popularity)
-    ax.axhline(report["base"]["tokens_per_cpu_s"], color="gray", linestyle="--", label="base model")
+        counts = [r["num_adapters"] for r in rows]
+        ax.plot(counts, [r["tokens_per_cpu_s"] for r in rows], marker="o", color=color, label=popularity)
+        ax.plot(counts, [base * r["floor_ratio"] for r in rows], linestyle=":", color=color,
+                label=f"{popularity}: floor ratio x base")
+    ax.axhline(base, color="gray", linestyle="--", label="base model")
     ax.set_xscale("log")
     ax.set_xlabel("distinct adapters N (log)")
     ax.set_ylabel("tokens per CPU-second")

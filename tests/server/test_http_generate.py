@@ -131,7 +131,10 @@ def test_best_of_returns_the_other_candidates(live) -> None:
     body = post(live, "/generate", {"inputs": PROMPT, "parameters": {
         "max_new_tokens": 4, "details": True, "best_of": 2, "do_sample": True}}).json()
     others = body["details"]["best_of_sequences"]
-    assert len(others) == 1 and others[0]["generated_tokens"] == 4
+    assert len(others) == 1
+    # Unseeded sampling (seed with best_of is refused): a candidate may draw EOS before its 4 tokens.
+    other = others[0]
+    assert other["generated_tokens"] == 4 or (other["finish_reason"] == "eos_token" and other["generated_tokens"] < 4)
 
 
 @pytest.mark.parametrize("explicit_nulls", [True, False])

@@ -35,9 +35,12 @@ class EngineStats:
     num_generated_tokens: int
     num_finished_requests: int
     num_preemptions: int
-    num_cached_adapters: int
-    num_pinned_adapters: int
+    num_cached_adapters: int  # loaded in the host cache
+    num_pinned_adapters: int  # of those, used by a request in flight
     adapter_cache_bytes: int
+    num_resident_adapters: int  # placed in the device pool's pages
+    num_free_adapter_pages: int  # in the fullest module's pool: what the next adapter can take
+    num_total_adapter_pages: int
 
 
 class RequestStream:
@@ -159,6 +162,7 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         scheduler = self.engine.scheduler
         cached = self.engine.adapters.host.snapshot()  # (key, bytes, pins) per entry
+        pages = self.engine.adapters.pages  # read from the event loop: sizes only, each read atomic
         return EngineStats(
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
@@ -171,6 +175,9 @@ class AsyncEngine:
             num_cached_adapters=len(cached),
             num_pinned_adapters=sum(1 for _, _, pins in cached if pins),
             adapter_cache_bytes=sum(num_bytes for _, num_bytes, _ in cached),
+            num_resident_adapters=pages.num_resident,
+            num_free_adapter_pages=min(pages.num_free_pages.values()),
+            num_total_adapter_pages=pages.num_pages,
         )
 
     async def shutdown(self, deadline_s: float = 10.0) -> None:

@@ -7,13 +7,4 @@ set -euo pipefail
 if command -v chromium >/dev/null 2>&1; then
     exit 0
 fi
-if ! command -v apt-get >/dev/null 2>&1; then
-    echo "ensure_chromium: no apt-get here; install chromium yourself or the offline docs test skips" >&2
-    exit 0
-fi
-SUDO=""
-if [ "$(id -u)" -ne 0 ]; then
-    SUDO="sudo"
-fi
-$SUDO apt-get update -qq
-$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium fonts-liberation
+bash "$(dirname "$0")/apt_install.sh" ensure_chromium "the offline docs test skips" chromium fonts-liberation

@@ -7,13 +7,4 @@ set -euo pipefail
 if command -v initdb >/dev/null 2>&1 || compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null; then
     exit 0
 fi
-if ! command -v apt-get >/dev/null 2>&1; then
-    echo "ensure_postgres: no apt-get here; install PostgreSQL yourself or the PostgreSQL registry tests skip" >&2
-    exit 0
-fi
-SUDO=""
-if [ "$(id -u)" -ne 0 ]; then
-    SUDO="sudo"
-fi
-$SUDO apt-get update -qq
-$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends postgresql
+bash "$(dirname "$0")/apt_install.sh" ensure_postgres "the PostgreSQL registry tests skip" postgresql

@@ -3,8 +3,10 @@
 The first candidate is the request itself. When its prompt has been computed and its first token
 drawn, the engine forks the others from it: they share the prompt's full KV blocks (reference
 counted), get a copy of the partial last block, and draw their own first token from the same logits
-with their own seed (a request's seed is refused with best_of > 1, as TGI does). The winner has the highest mean logprob per generated token (TGI's
-rule; the first candidate wins a tie); the others are reported as `best_of_sequences`.
+with their own seed: seed + i for candidate i when the request has a seed, else a random one each
+(TGI's wire refuses a seed with best_of > 1; that is the server's rule, not the engine's). The winner
+has the highest mean logprob per generated token (TGI's rule; the lower candidate index wins a tie);
+the others are reported as `best_of_sequences`, ranked by the same rule.
 """
 from __future__ import annotations
 
@@ -37,10 +39,13 @@ class BestOfGroup:
         return not self.needs_fork and len(self._finished) == self.num_candidates
 
     def result(self) -> RequestOutput:
+        """The winner, with the other candidates as `best_of_sequences`, best first: the first k of
+        [winner] + best_of_sequences are the k best (mean logprob per generated token, descending;
+        ties by candidate index)."""
         snapshots = [state.snapshot() for state in self.candidates]
-        winner_idx = max(range(len(snapshots)), key=lambda i: (_mean_logprob(snapshots[i]), -i))
-        others = [s for i, s in enumerate(snapshots) if i != winner_idx]
-        return dataclasses.replace(snapshots[winner_idx], request_id=self.request_id, best_of_sequences=others)
+        ranked = sorted(range(len(snapshots)), key=lambda i: (-_mean_logprob(snapshots[i]), i))
+        others = [snapshots[i] for i in ranked[1:]]
+        return dataclasses.replace(snapshots[ranked[0]], request_id=self.request_id, best_of_sequences=others)
 
 
 def _mean_logprob(output: RequestOutput) -> float:

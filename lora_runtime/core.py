@@ -16,6 +16,10 @@ if TYPE_CHECKING:
     from lora_runtime.adapters.refs import AdapterKey
 
 FinishReason = Literal["length", "eos_token", "stop_sequence"]
+PenaltyCounts = Literal["output", "sequence_fraction"]
+PENALTY_COUNTS: tuple[PenaltyCounts, ...] = ("output", "sequence_fraction")
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit on logit_bias entries
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,15 +28,23 @@ class SamplingParams:
 
     Sampling is on when `do_sample` is set or any of temperature != 1, top_k, top_p < 1,
     typical_p < 1 is given; temperature 0 means greedy whatever else is set (docs/semantics.md).
+    The penalties, `logit_bias`, `schema` and `regex` change the scores, never whether sampling is on.
+    `logit_bias` holds (token id, bias) pairs; ids below the vocabulary size are checked when the
+    request is added, where the vocabulary is known.
     """
 
-    max_new_tokens: int = 20
+    # None: as many as the context (and the KV cache) leaves once the prompt is known (OpenAI's chat).
+    max_new_tokens: int | None = 20
     do_sample: bool = False
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
     typical_p: float | None = None
     repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    penalty_counts: PenaltyCounts = "output"
+    logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos_token: bool = False
@@ -43,12 +55,18 @@ class SamplingParams:
     truncate: int | None = None
     watermark: bool = False
     schema: str | None = None
+    regex: str | None = None
+    top_logprobs: int = 0
     apply_chat_template: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, list):
             object.__setattr__(self, "stop", tuple(self.stop))
-        _check_int("max_new_tokens", self.max_new_tokens, minimum=1)
+        if isinstance(self.logit_bias, (list, tuple)):
+            pairs = tuple(tuple(entry) if isinstance(entry, list) else entry for entry in self.logit_bias)
+            object.__setattr__(self, "logit_bias", pairs)
+        if self.max_new_tokens is not None:
+            _check_int("max_new_tokens", self.max_new_tokens, minimum=1)
         _check_int("best_of", self.best_of, minimum=1)
         if self.temperature is not None:
             _check_float("temperature", self.temperature, "must be >= 0", lambda v: v >= 0)
@@ -60,18 +78,34 @@ class SamplingParams:
             _check_float("typical_p", self.typical_p, "must be in (0, 1]", lambda v: 0 < v <= 1)
         if self.repetition_penalty is not None:
             _check_float("repetition_penalty", self.repetition_penalty, "must be > 0", lambda v: v > 0)
+        self._check_additive_penalties()
+        _check_logit_bias(self.logit_bias)
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=0)
         if self.truncate is not None:
             _check_int("truncate", self.truncate, minimum=1)
+        _check_int("top_logprobs", self.top_logprobs, minimum=0, maximum=MAX_TOP_LOGPROBS)
+        self._check_regex()
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValidationError("stop", "every stop sequence must be a non-empty string")
         if self.best_of > 1 and not self.is_sampling:
             raise ValidationError("best_of", "best_of > 1 needs sampling (do_sample or a sampling parameter)")
-        if self.best_of > 1 and self.seed is not None:
-            # As TGI, and as its and LoRAX's clients check before sending: one seed cannot make
-            # several candidates that differ.
-            raise ValidationError("seed", "must not be set when best_of > 1")
+
+    def _check_additive_penalties(self) -> None:
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_float(name, value, "must be in [-2, 2]", lambda v: -2 <= v <= 2)
+        if self.penalty_counts not in PENALTY_COUNTS:
+            raise ValidationError("penalty_counts", f"must be one of {', '.join(PENALTY_COUNTS)}")
+
+    def _check_regex(self) -> None:
+        if self.regex is None:
+            return
+        if not isinstance(self.regex, str):
+            raise ValidationError("regex", "must be a string")
+        if self.schema is not None:
+            raise ValidationError("regex", "give either a schema or a regex, not both")
 
     @property
     def is_sampling(self) -> bool:
@@ -87,11 +121,28 @@ class SamplingParams:
         )
 
 
-def _check_int(name: str, value: object, minimum: int) -> None:
+def _check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValidationError(name, "must be an integer")
     if value < minimum:
         raise ValidationError(name, f"must be >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise ValidationError(name, f"must be <= {maximum}")
+
+
+def _check_logit_bias(entries: object) -> None:
+    """(token id >= 0, finite bias in [-100, 100]) pairs, each id once, at most 300 (OpenAI's rules)."""
+    if not isinstance(entries, tuple):
+        raise ValidationError("logit_bias", "must be a list of (token id, bias) pairs")
+    if len(entries) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValidationError("logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries")
+    for entry in entries:
+        if not isinstance(entry, tuple) or len(entry) != 2:
+            raise ValidationError("logit_bias", "every entry must be a (token id, bias) pair")
+        _check_int("logit_bias", entry[0], minimum=0)
+        _check_float("logit_bias", entry[1], "a bias must be in [-100, 100]", lambda v: -100 <= v <= 100)
+    if len({token_id for token_id, _ in entries}) != len(entries):
+        raise ValidationError("logit_bias", "a token id may appear once only")
 
 
 def _check_float(name: str, value: object, rule: str, is_valid) -> None:
@@ -114,8 +165,9 @@ class RequestStatus(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class TokenInfo:
-    """One generated token: its id, its text piece, its logprob and whether it is special."""
+class TopToken:
+    """One of the most likely tokens at a position (`top_logprobs`): its id, its own text, its logprob
+    and whether it is special."""
 
     id: int
     text: str
@@ -124,12 +176,25 @@ class TokenInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenInfo:
+    """One generated token: its id, its text piece, its logprob and whether it is special; `top` holds
+    the `top_logprobs` most likely tokens of its step, most likely first."""
+
+    id: int
+    text: str
+    logprob: float
+    special: bool
+    top: tuple[TopToken, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class PrefillToken:
-    """One prompt token with the logprob the model gave it; the first has none."""
+    """One prompt token with the logprob the model gave it; the first has none (and no `top`)."""
 
     id: int
     text: str
     logprob: float | None
+    top: tuple[TopToken, ...] = ()
 
 
 @dataclass(slots=True)

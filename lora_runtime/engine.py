@@ -30,7 +30,7 @@ from lora_runtime.loader import load_model
 from lora_runtime.model_runner import ModelRunner, ModelRunnerOutput
 from lora_runtime.models.llama import LlamaModel
 from lora_runtime.request_state import RequestState
-from lora_runtime.sampling.sampler import Sampler, TokenizerInfo
+from lora_runtime.sampling.sampler import Sampler, TokenizerInfo, TopPairs, top_tokens
 from lora_runtime.scheduler import Scheduler
 from lora_runtime.validation import prepare_prompt
 
@@ -122,7 +122,7 @@ class Engine:
             if request_id in self._states:
                 raise ValidationError("request_id", f"{request_id!r} is already in use")
             chat_template = self._chat_template(params, lease)
-            prompt_text, token_ids = prepare_prompt(prompt, params, self, chat_template)
+            prompt_text, token_ids, params = prepare_prompt(prompt, params, self, chat_template)
             request = Request(request_id=request_id, prompt_token_ids=token_ids, params=params)
             state = RequestState(request, prompt_text, self.tokenizer_info)
         except BaseException:
@@ -197,7 +197,9 @@ class Engine:
             targets = torch.tensor(request.prompt_token_ids[first_position + 1 : first_position + 1 + num_rows])
             rows = torch.log_softmax(logits[first_row : first_row + num_rows].float(), dim=-1)
             values = rows.gather(1, targets.to(rows.device)[:, None])[:, 0].tolist()
-            self._states[request.request_id].record_prompt_logprobs(first_position, values)
+            num_top = request.params.top_logprobs
+            top = top_tokens(rows, num_top) if num_top > 0 else None
+            self._states[request.request_id].record_prompt_logprobs(first_position, values, top)
 
     def _sample_and_update(self, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
         rows = runner_output.rows
@@ -219,20 +221,22 @@ class Engine:
                 outputs.append(self._fail_request(state, error))
         return outputs
 
-    def _sample_each(self, logits: torch.Tensor, states: list[RequestState]) -> list[tuple[int, float] | Exception]:
-        """(token, logprob) per row, sampled as one batch; if the batch raises, each row alone, so
-        that a request whose logits processing fails gets its error and the others their tokens.
+    def _sample_each(
+        self, logits: torch.Tensor, states: list[RequestState]
+    ) -> list[tuple[int, float, TopPairs] | Exception]:
+        """(token, logprob, top tokens) per row, sampled as one batch; if the batch raises, each row
+        alone, so that a request whose logits processing fails gets its error and the others theirs.
         (Rows redrawn alone after a failure inside the batch's draws may not repeat their seeded
         draws; the batch raises before drawing in every failure we know of: the processors run first.)"""
         try:
             result = self.sampler.sample(logits, [state.sampling for state in states])
-            return list(zip(result.token_ids, result.logprobs))
+            return list(zip(result.token_ids, result.logprobs, result.top))
         except Exception:
-            samples: list[tuple[int, float] | Exception] = []
+            samples: list[tuple[int, float, TopPairs] | Exception] = []
             for row, state in enumerate(states):
                 try:
                     result = self.sampler.sample(logits[row : row + 1], [state.sampling])
-                    samples.append((result.token_ids[0], result.logprobs[0]))
+                    samples.append((result.token_ids[0], result.logprobs[0], result.top[0]))
                 except Exception as error:
                     samples.append(error)
             return samples
@@ -247,9 +251,9 @@ class Engine:
         output = state.snapshot()
         return output if group is None else dataclasses.replace(output, request_id=group.request_id)
 
-    def _append_token(self, state: RequestState, token_id: int, logprob: float) -> list[RequestOutput]:
+    def _append_token(self, state: RequestState, token_id: int, logprob: float, top: TopPairs) -> list[RequestOutput]:
         """Add the token; finish the request if it stopped; return what callers should see now."""
-        state.append_token(token_id, logprob)
+        state.append_token(token_id, logprob, top)
         if state.is_finished:
             self._finish(state)
         group = self._group_of.get(state.request_id)
@@ -279,9 +283,9 @@ class Engine:
         logits = logits_row.unsqueeze(0).expand(len(children), -1)
         result = self.sampler.sample(logits, [child.sampling for child in children])
         outputs = []
-        for child, token_id, logprob in zip(children, result.token_ids, result.logprobs):
+        for child, token_id, logprob, top in zip(children, result.token_ids, result.logprobs, result.top):
             self._share_prompt_cache(first.request, child.request)
-            outputs.extend(self._append_token(child, token_id, logprob))
+            outputs.extend(self._append_token(child, token_id, logprob, top))
         return outputs
 
     def _share_prompt_cache(self, parent: Request, child: Request) -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 
-from lora_runtime.core import PrefillToken, Request, RequestOutput, RequestTimes, TokenInfo
+from lora_runtime.core import PrefillToken, Request, RequestOutput, RequestTimes, TokenInfo, TopToken
 from lora_runtime.detokenizer import IncrementalDetokenizer
-from lora_runtime.sampling.sampler import SamplingState, TokenizerInfo
+from lora_runtime.sampling.sampler import SamplingState, TokenizerInfo, TopPairs
 from lora_runtime.sampling.stop import StopCriteria
 
 
@@ -15,12 +15,13 @@ class RequestState:
         self.request = request
         self.prompt = prompt
         self.tokenizer_info = info
-        self.sampling = SamplingState(request.params, request.prompt_token_ids, info)
+        self.sampling = SamplingState(request.params, request.prompt_token_ids, info, candidate_index)
         self.candidate_index = candidate_index
         self.detokenizer = IncrementalDetokenizer(info.tokenizer, request.prompt_token_ids)
         self.stop = StopCriteria(request.params, info.eos_token_ids)
         self.tokens: list[TokenInfo] = []
         self.prompt_logprobs: list[float | None] = [None] * request.num_prompt_tokens
+        self.prompt_top: list[tuple[TopToken, ...]] = [()] * request.num_prompt_tokens
         self.finish_reason = None
         self.error: Exception | None = None
         self.times = RequestTimes(arrival=time.monotonic())
@@ -33,13 +34,17 @@ class RequestState:
     def is_finished(self) -> bool:
         return self.finish_reason is not None or self.error is not None
 
-    def record_prompt_logprobs(self, first_position: int, logprobs: list[float]) -> None:
-        """Logprobs of prompt tokens first_position + 1 ... (recomputation after preemption rewrites
-        the same values)."""
+    def record_prompt_logprobs(
+        self, first_position: int, logprobs: list[float], top: list[TopPairs] | None = None
+    ) -> None:
+        """Logprobs (and most likely tokens, when asked) of prompt tokens first_position + 1 ...
+        (recomputation after preemption rewrites the same values)."""
         for offset, value in enumerate(logprobs):
             self.prompt_logprobs[first_position + 1 + offset] = value
+        for offset, pairs in enumerate(top or ()):
+            self.prompt_top[first_position + 1 + offset] = self._top_tokens(pairs)
 
-    def append_token(self, token_id: int, logprob: float) -> None:
+    def append_token(self, token_id: int, logprob: float, top: TopPairs = ()) -> None:
         """Add a generated token: detokenize it, check the stop criteria, update sampling state."""
         now = time.monotonic()
         if self.times.first_token is None:
@@ -48,11 +53,17 @@ class RequestState:
         self.sampling.accept(token_id)
         piece = self.detokenizer.add_token(token_id)
         special = self.detokenizer.is_special(token_id)
-        self.tokens.append(TokenInfo(token_id, self.detokenizer.token_text(token_id), logprob, special))
+        text = self.detokenizer.token_text(token_id)
+        self.tokens.append(TokenInfo(token_id, text, logprob, special, self._top_tokens(top)))
         self.finish_reason = self.stop.check(token_id, piece)
         if self.finish_reason is not None:
             self.detokenizer.flush()
             self.times.finished = now
+
+    def _top_tokens(self, pairs: TopPairs) -> tuple[TopToken, ...]:
+        """(id, logprob) pairs with each token's own text, as a generated token's text is made."""
+        detokenizer = self.detokenizer
+        return tuple(TopToken(i, detokenizer.token_text(i), value, detokenizer.is_special(i)) for i, value in pairs)
 
     def fail(self, error: Exception) -> None:
         self.error = error
@@ -64,8 +75,8 @@ class RequestState:
         prefill = []
         if request.params.decoder_input_details:
             prefill = [
-                PrefillToken(token_id, tokenizer.decode([token_id]), logprob)
-                for token_id, logprob in zip(request.prompt_token_ids, self.prompt_logprobs)
+                PrefillToken(token_id, tokenizer.decode([token_id]), logprob, top)
+                for token_id, logprob, top in zip(request.prompt_token_ids, self.prompt_logprobs, self.prompt_top)
             ]
         return RequestOutput(
             request_id=request.request_id,

@@ -2,6 +2,8 @@
 `SamplingParams` itself). Library callers get the same errors as HTTP callers."""
 from __future__ import annotations
 
+import dataclasses
+
 from lora_runtime.core import SamplingParams
 from lora_runtime.errors import ValidationError
 from lora_runtime.sampling.chat import render_chat_prompt
@@ -9,11 +11,12 @@ from lora_runtime.sampling.chat import render_chat_prompt
 
 def prepare_prompt(
     prompt: str | list[int], params: SamplingParams, engine, chat_template: str | None = None
-) -> tuple[str | None, list[int]]:
+) -> tuple[str | None, list[int], SamplingParams]:
     """Render the chat template if asked, tokenize (or take) the prompt, apply `truncate`, and check
     lengths and limits. `chat_template` is the adapter's own, else the base model's is used.
 
-    Returns (prompt text or None, prompt token ids after truncation).
+    Returns (prompt text or None, prompt token ids after truncation, `params` with `max_new_tokens`
+    resolved when it was None).
     """
     check_limits(params, engine.config.limits)
     if isinstance(prompt, str):
@@ -36,8 +39,18 @@ def prepare_prompt(
         raise ValidationError("inputs", "must contain at least one token")
     if params.truncate is not None:
         token_ids = token_ids[-params.truncate :]
+    if params.max_new_tokens is None:
+        params = dataclasses.replace(params, max_new_tokens=_room_for_new_tokens(len(token_ids), params, engine))
     check_lengths(len(token_ids), params, engine)
-    return prompt_text, list(token_ids)
+    return prompt_text, list(token_ids), params
+
+
+def _room_for_new_tokens(num_prompt_tokens: int, params: SamplingParams, engine) -> int:
+    """What the context and the KV cache leave after the prompt, for each best_of candidate (at
+    least 1, so that a prompt with no room is refused by `check_lengths` naming the prompt)."""
+    kv = engine.kv_cache
+    cache_tokens = kv.num_blocks * kv.block_size_tokens // params.best_of
+    return max(1, min(engine.max_model_len, cache_tokens) - num_prompt_tokens)
 
 
 def check_limits(params: SamplingParams, limits) -> None:

@@ -1,12 +1,14 @@
 """The logits chain, batched over rows that each carry their own parameters.
 
-Order (TGI's, docs/semantics.md): watermark, repetition penalty, schema mask, temperature, top_k,
-top_p, typical_p. Each step is one vectorised call over the rows that need it (per-row parameter
-tensors); rows that need nothing are never touched, so an all-greedy batch with no penalties costs
-only the Python loop that finds out there is nothing to do.
+Order (docs/semantics.md): watermark, repetition penalty, frequency/presence penalty, logit_bias,
+schema/regex mask, temperature, top_k, top_p, typical_p: TGI's order, with the additive steps after
+the repetition penalty as TGI places its frequency penalty. Each step is one vectorised call over
+the rows that need it (per-row parameter tensors); rows that need nothing are never touched, so an
+all-greedy batch with no penalties costs only the Python loop that finds out there is nothing to do.
 
 Every warper reproduces the arithmetic of the transformers processor of the same name for one row,
-so those processors are the oracles (tests/sampling/test_processors.py).
+so those processors are the oracles (tests/sampling/test_processors.py); the frequency/presence
+penalty has no transformers twin, its oracle is vLLM's formula written out in the test.
 """
 from __future__ import annotations
 
@@ -25,12 +27,19 @@ class RowSettings:
     """What the chain does to one row this step; the neutral values leave the row untouched.
 
     The warper fields (temperature .. typical_p) are only set for rows that sample: a greedy row's
-    argmax does not depend on them.
+    argmax does not depend on them. `counted_token_ids` is set, with both additive penalties (0 for
+    one not asked), only when some token has a count.
     """
 
     watermark_previous_token_id: int | None = None
     repetition_penalty: float | None = None
     penalty_token_ids: torch.Tensor | None = None  # [num_distinct_ids] int64, CPU
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    counted_token_ids: torch.Tensor | None = None  # [num_counted] int64, CPU; distinct ids
+    token_counts: torch.Tensor | None = None  # [num_counted] float32, CPU; c[t] > 0 of each counted id
+    logit_bias_token_ids: torch.Tensor | None = None  # [num_biased] int64, CPU; distinct ids
+    logit_bias_values: torch.Tensor | None = None  # [num_biased] float32, CPU
     allowed_tokens: torch.Tensor | None = None  # [vocab] bool, CPU; False = masked out
     temperature: float | None = None
     top_k: int | None = None
@@ -42,6 +51,8 @@ class RowSettings:
         return (
             self.watermark_previous_token_id is None
             and self.repetition_penalty is None
+            and self.counted_token_ids is None
+            and self.logit_bias_token_ids is None
             and self.allowed_tokens is None
             and self.temperature is None
             and self.top_k is None
@@ -63,6 +74,8 @@ def apply_logits_chain(scores: torch.Tensor, rows: Sequence[RowSettings]) -> tor
     scores = scores.to(torch.float32, copy=True)
     _watermark_rows(scores, rows)
     _penalty_rows(scores, rows)
+    _additive_penalty_rows(scores, rows)
+    _logit_bias_rows(scores, rows)
     _mask_rows(scores, rows)
     _warp_rows(scores, rows, "temperature", lambda v: v != 1.0, apply_temperature)
     _warp_rows(scores, rows, "top_k", lambda v: v > 0, apply_top_k)
@@ -85,6 +98,31 @@ def apply_repetition_penalty(
     penalty = torch.tensor(penalties, dtype=scores.dtype, device=scores.device)[:, None]  # [num_rows, 1]
     penalised = torch.where(scores < 0, scores * penalty, scores / penalty)
     return torch.where(seen.to(scores.device), penalised, scores)
+
+
+def apply_frequency_presence_penalty(
+    scores: torch.Tensor,
+    token_ids: Sequence[torch.Tensor],
+    counts: Sequence[torch.Tensor],
+    frequency: Sequence[float],
+    presence: Sequence[float],
+) -> torch.Tensor:
+    """Row i: scores[i, t] -= frequency[i] * c + presence[i] * (c > 0), where c = counts[i][j] for
+    t = token_ids[i][j] (distinct ids); tokens not listed have c = 0. `scores` [num_rows, vocab]."""
+    row_idx = _entry_rows(token_ids)
+    flat_counts = torch.cat(list(counts)).to(scores.dtype)
+    frequency_of_entry = torch.tensor(frequency, dtype=scores.dtype)[row_idx]
+    presence_of_entry = torch.tensor(presence, dtype=scores.dtype)[row_idx]
+    penalty = frequency_of_entry * flat_counts + presence_of_entry * (flat_counts > 0)
+    return _add_at(scores, row_idx, torch.cat(list(token_ids)), -penalty)
+
+
+def apply_logit_bias(
+    scores: torch.Tensor, token_ids: Sequence[torch.Tensor], biases: Sequence[torch.Tensor]
+) -> torch.Tensor:
+    """Row i: scores[i, token_ids[i][j]] += biases[i][j] (distinct ids). `scores` [num_rows, vocab]."""
+    flat_biases = torch.cat(list(biases)).to(scores.dtype)
+    return _add_at(scores, _entry_rows(token_ids), torch.cat(list(token_ids)), flat_biases)
 
 
 # Below this a temperature only sharpens the distribution to its argmax, but dividing by it can
@@ -139,6 +177,17 @@ def apply_token_mask(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tenso
     return scores.masked_fill(~allowed.to(scores.device), FILTERED)
 
 
+def _entry_rows(token_ids: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The row of each entry of torch.cat(token_ids): [total entries] int64."""
+    return torch.cat([torch.full((len(ids),), i) for i, ids in enumerate(token_ids)])
+
+
+def _add_at(scores: torch.Tensor, row_idx: torch.Tensor, token_ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """A copy of `scores` with values[j] added at (row_idx[j], token_ids[j]); CPU indices and values."""
+    index = (row_idx.to(scores.device), token_ids.to(scores.device))
+    return scores.index_put(index, values.to(scores.device), accumulate=True)
+
+
 def _column(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(values, dtype=like.dtype, device=like.device)[:, None]  # [num_rows, 1]
 
@@ -164,6 +213,26 @@ def _penalty_rows(scores: torch.Tensor, rows: Sequence[RowSettings]) -> None:
         ids = [rows[i].penalty_token_ids for i in picked]
         penalties = [rows[i].repetition_penalty for i in picked]
         _update_rows(scores, picked, lambda sub: apply_repetition_penalty(sub, ids, penalties))
+
+
+def _additive_penalty_rows(scores: torch.Tensor, rows: Sequence[RowSettings]) -> None:
+    picked = [i for i, row in enumerate(rows) if row.counted_token_ids is not None]
+    if picked:
+        ids = [rows[i].counted_token_ids for i in picked]
+        counts = [rows[i].token_counts for i in picked]
+        frequency = [rows[i].frequency_penalty for i in picked]
+        presence = [rows[i].presence_penalty for i in picked]
+        _update_rows(
+            scores, picked, lambda sub: apply_frequency_presence_penalty(sub, ids, counts, frequency, presence)
+        )
+
+
+def _logit_bias_rows(scores: torch.Tensor, rows: Sequence[RowSettings]) -> None:
+    picked = [i for i, row in enumerate(rows) if row.logit_bias_token_ids is not None]
+    if picked:
+        ids = [rows[i].logit_bias_token_ids for i in picked]
+        biases = [rows[i].logit_bias_values for i in picked]
+        _update_rows(scores, picked, lambda sub: apply_logit_bias(sub, ids, biases))
 
 
 def _mask_rows(scores: torch.Tensor, rows: Sequence[RowSettings]) -> None:

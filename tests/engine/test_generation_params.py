@@ -1,5 +1,6 @@
 """Generation parameters through the whole engine on the embedded model (float32): seeds are batch
-invariant, best_of computes the prompt once and picks the best mean logprob, stop strings spanning
+invariant, best_of computes the prompt once, ranks its candidates by mean logprob and gives candidate
+i the seed + i, stop strings spanning
 tokens, truncate, prompt logprobs against HF, watermark detected by transformers, schema outputs
 valid under `jsonschema`."""
 from __future__ import annotations
@@ -52,7 +53,7 @@ def test_best_of_computes_the_prompt_once_and_returns_the_best_mean_logprob(engi
     candidates = [final, *final.best_of_sequences]
     assert len({c.seed for c in candidates}) == 3 and None not in {c.seed for c in candidates}
     means = [sum(t.logprob for t in c.tokens) / len(c.tokens) for c in candidates]
-    assert means[0] == max(means)
+    assert means == sorted(means, reverse=True)  # the winner, then the others best first
     # The prompt ran once; each candidate then computed its own generated tokens but the last.
     assert computed_tokens == num_prompt + 3 * (10 - 1)
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
@@ -76,13 +77,24 @@ def test_stop_string_spanning_tokens_stops_and_stays_in_the_text(engine) -> None
     assert len(stopped.text) < len(free)
 
 
-def test_seed_with_best_of_is_refused_naming_seed() -> None:
-    # TGI refuses it, and its and LoRAX's clients refuse it before sending.
-    with pytest.raises(ValidationError) as error:
-        SamplingParams(do_sample=True, best_of=2, seed=1)
-    assert error.value.field == "seed" and "best_of" in error.value.message
-    assert SamplingParams(do_sample=True, best_of=1, seed=1).seed == 1
-    assert SamplingParams(do_sample=True, best_of=2).seed is None
+def test_seeded_best_of_candidate_i_repeats_the_request_alone_with_seed_plus_i(engine) -> None:
+    # TGI's wire refuses a seed with best_of (the server's rule); the engine gives candidate i seed + i.
+    prompt = chat(engine, "Invent a name for a dog.")
+    options = dict(max_new_tokens=6, do_sample=True, temperature=1.5, ignore_eos_token=True, top_logprobs=2)
+    final = engine.generate([prompt], SamplingParams(best_of=3, seed=42, **options))[0]
+    candidates = [final, *final.best_of_sequences]
+    assert sorted(c.seed for c in candidates) == [42, 43, 44]
+    for candidate in candidates:
+        alone = engine.generate([prompt], SamplingParams(seed=candidate.seed, **options))[0]
+        assert candidate.token_ids == alone.token_ids
+        assert _top_ids(candidate) == _top_ids(alone)
+        for ours, reference in zip(candidate.tokens, alone.tokens):
+            assert [t.logprob for t in ours.top] == pytest.approx([t.logprob for t in reference.top], abs=1e-5)
+        assert all(len(t.top) == 2 for t in candidate.tokens)
+
+
+def _top_ids(output) -> list[list[int]]:
+    return [[top.id for top in token.top] for token in output.tokens]
 
 
 def test_truncate_keeps_exactly_the_last_tokens(engine) -> None:

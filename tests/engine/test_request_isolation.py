@@ -31,7 +31,7 @@ def _run_with_fault(engine: Engine, faulty_index: int, fails_in: str, after_toke
     while engine.has_unfinished_requests():
         state = engine._states.get(ids[faulty_index])
         if not broken and state is not None and len(state.request.output_token_ids) >= after_tokens:
-            state.sampling._schema = FaultyGrammar(fails_in, engine.model.shape.vocab_size)
+            state.sampling._grammar = FaultyGrammar(fails_in, engine.model.shape.vocab_size)
             broken = True
         for output in engine.step():
             if output.finished:
@@ -79,7 +79,7 @@ def test_a_failing_best_of_candidate_fails_its_whole_request(engine) -> None:
     while engine.has_unfinished_requests():
         candidate = engine._states.get(f"{request_id}#1")
         if not broken and candidate is not None:
-            candidate.sampling._schema = FaultyGrammar("accept", engine.model.shape.vocab_size)
+            candidate.sampling._grammar = FaultyGrammar("accept", engine.model.shape.vocab_size)
             broken = True
         for output in engine.step():
             if output.finished:

@@ -1,7 +1,9 @@
-"""JSON-schema constrained decoding on the embedded model: every output validates with jsonschema."""
+"""Constrained decoding on the embedded model: every schema output validates with jsonschema, every
+regex output that ends with EOS is a `re.fullmatch`."""
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
@@ -59,7 +61,7 @@ def test_every_output_validates_greedy_and_sampled(hf_model, tokenizer, tokenize
     outputs = generate(hf_model, prompts, states, {tokenizer.eos_token_id}, MAX_NEW_TOKENS)
     for (name, options), state, token_ids in zip(cases, states, outputs):
         assert token_ids[-1] == tokenizer.eos_token_id, f"{name} {options}: the document must end"
-        assert state.is_schema_complete
+        assert state.is_grammar_complete
         jsonschema.validate(json.loads(tokenizer.decode(token_ids[:-1])), SCHEMAS[name])
 
 
@@ -86,3 +88,41 @@ def test_schema_accepted_as_object_and_as_response_format(tokenizer_info) -> Non
     assert schema_from_response_format(None) is None
     with pytest.raises(ValidationError):
         schema_from_response_format({"type": "text"})
+
+
+REGEXES = {
+    "digits": r"\d{1,4}",
+    "date": r"\d{4}-\d{2}-\d{2}",
+    "words": r"(apple|banana|cherry)( and (apple|banana|cherry)){0,2}",
+    "email": r"[a-z]{2,8}(\.[a-z]{2,8})?@[a-z]{2,8}\.(com|org|net)",
+}
+
+
+def test_every_regex_output_ending_with_eos_is_a_full_match(hf_model, tokenizer, tokenizer_info) -> None:
+    """All regexes, greedy and with three seeds, decoded together in one batch."""
+    options = [{}, *({"do_sample": True, "seed": seed, "temperature": 1.3} for seed in (1, 2, 3))]
+    cases = [(name, option) for option in options for name in sorted(REGEXES)]
+    prompts = [_prompt_ids(tokenizer, f"Write a {name}") for name, _ in cases]
+    states = [
+        SamplingState(SamplingParams(max_new_tokens=MAX_NEW_TOKENS, regex=REGEXES[name], **option), prompt,
+                      tokenizer_info)
+        for (name, option), prompt in zip(cases, prompts)
+    ]
+    outputs = generate(hf_model, prompts, states, {tokenizer.eos_token_id}, MAX_NEW_TOKENS)
+    texts = set()
+    for (name, option), state, token_ids in zip(cases, states, outputs):
+        assert token_ids[-1] == tokenizer.eos_token_id, f"{name} {option}: the match must end"
+        text = tokenizer.decode(token_ids[:-1])
+        assert re.fullmatch(REGEXES[name], text), f"{name} {option}: {text!r}"
+        texts.add(text)
+    assert len(texts) > len(REGEXES), "seeded samples should differ from the greedy ones"
+
+
+@pytest.mark.parametrize("regex", [r"(?=a)b", "[", "(a", "x{3,2}", r"\bword\b", r"(a)\1"])
+def test_regexes_we_cannot_enforce_are_refused(regex: str, tokenizer_info) -> None:
+    with pytest.raises(ValidationError) as error:
+        tokenizer_info.schema_compiler.compile_regex(regex)
+    assert error.value.field == "regex" and error.value.status_code == 422
+    with pytest.raises(ValidationError) as error:
+        SamplingState(SamplingParams(regex=regex), [1, 2], tokenizer_info)
+    assert error.value.field == "regex"

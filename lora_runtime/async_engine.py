@@ -12,11 +12,13 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from lora_runtime.adapters.refs import Caller
-from lora_runtime.core import RequestOutput, SamplingParams
+from lora_runtime.adapters.manager import Lease
+from lora_runtime.adapters.refs import AdapterKey, AdapterRequest, Caller
+from lora_runtime.core import Request, RequestOutput, SamplingParams
 from lora_runtime.engine import Engine
 from lora_runtime.errors import EngineError, RequestAbortedError
 
@@ -27,10 +29,14 @@ _IDLE_WAIT_S = 0.05
 
 @dataclass(frozen=True, slots=True)
 class EngineStats:
+    # The queues as of the loop thread's last step or commands. Waiting requests also count those not
+    # queued yet (their adapter loading, or the loop not there yet); the moment between the loop
+    # queuing a request and `add_request` returning counts it twice.
     num_running: int
     num_waiting: int
     num_free_blocks: int
     num_total_blocks: int
+    kv_cache_usage_ratio: float  # blocks in use / all blocks, 0..1
     num_steps: int
     num_generated_tokens: int
     num_finished_requests: int
@@ -41,6 +47,21 @@ class EngineStats:
     num_resident_adapters: int  # placed in the device pool's pages
     num_free_adapter_pages: int  # in the fullest module's pool: what the next adapter can take
     num_total_adapter_pages: int
+    max_resident_adapters: int  # the pool's capacity at the largest allowed rank: sure to fit at once
+    # The distinct adapters of the running and of the waiting requests, as the counts above.
+    running_adapters: tuple[AdapterKey, ...]
+    waiting_adapters: tuple[AdapterKey, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _Queues:
+    """The scheduler's queues, published whole by the loop thread (after its commands, after each step,
+    as it queues a request): other threads read them without iterating queues that change under them."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    running_adapters: tuple[AdapterKey, ...] = ()
+    waiting_adapters: tuple[AdapterKey, ...] = ()
 
 
 class RequestStream:
@@ -103,6 +124,10 @@ class AsyncEngine:
         self._num_generated_tokens = 0
         self._num_finished = 0
         self._last_step_error: Exception | None = None
+        self._queues = _Queues()
+        # Requests inside `add_request`, by adapter (None: the base model). Replaced, never mutated,
+        # so that `stats()` reads it from any thread.
+        self._pending: Counter[AdapterKey | None] = Counter()
 
     @property
     def is_running(self) -> bool:
@@ -123,25 +148,39 @@ class AsyncEngine:
     ) -> RequestStream:
         """Load the request's adapter, then validate and queue: validation and adapter failures
         raise EngineError subclasses here, before anything is streamed."""
-        adapters = self.engine.adapters
-        adapter_request = adapters.parse(adapter, Caller(api_token=api_token))
-        lease = None
-        if adapter_request is not None:
-            # The request's hold on its adapter, taken once here and handed to the engine with it.
-            lease = adapters.acquire(adapter_request)
-            try:
-                await asyncio.wrap_future(lease.load)
-            except BaseException:  # its load failed, or the client left while it loaded
-                lease.release()
-                raise
+        adapter_request = self.engine.adapters.parse(adapter, Caller(api_token=api_token))
+        pending = Counter([adapter_request.key if adapter_request is not None else None])
+        self._pending = self._pending + pending
+        try:
+            lease = await self._load(adapter_request)
+            return await self._add(prompt, params, lease or adapter_request, request_id)
+        finally:
+            self._pending = self._pending - pending
+
+    async def _load(self, adapter_request: AdapterRequest | None) -> Lease | None:
+        """The request's hold on its adapter, loaded: taken once here and handed to the engine with it."""
+        if adapter_request is None:
+            return None
+        lease = self.engine.adapters.acquire(adapter_request)
+        try:
+            await asyncio.wrap_future(lease.load)
+        except BaseException:  # its load failed, or the client left while it loaded
+            lease.release()
+            raise
+        return lease
+
+    async def _add(self, prompt: str | list[int], params: SamplingParams, adapter: object,
+                   request_id: str | None) -> RequestStream:
+        """Hand the request to the loop thread, which validates and queues it."""
         future: concurrent.futures.Future[RequestStream] = concurrent.futures.Future()
 
         def add() -> None:
             try:
-                new_id = self.engine.add_request(prompt, params, lease or adapter_request, request_id=request_id)
+                new_id = self.engine.add_request(prompt, params, adapter, request_id=request_id)
             except Exception as error:  # handed to the caller, who maps it to a status
                 future.set_exception(error)
                 return
+            self._publish_queues()  # before it stops counting as pending
             # The stream itself is handed over: a request may finish, and leave `_streams`, before
             # the caller runs again.
             self._streams[new_id] = RequestStream(new_id, self)
@@ -160,14 +199,19 @@ class AsyncEngine:
         self._commands.put(abort)
 
     def stats(self) -> EngineStats:
-        scheduler = self.engine.scheduler
+        """Safe from any thread: sizes only (each read atomic), and what the loop thread and
+        `add_request` last published whole."""
+        scheduler, kv_cache = self.engine.scheduler, self.engine.kv_cache
         cached = self.engine.adapters.host.snapshot()  # (key, bytes, pins) per entry
-        pages = self.engine.adapters.pages  # read from the event loop: sizes only, each read atomic
+        pages = self.engine.adapters.pages
+        queues, pending = self._queues, self._pending
+        pending_adapters = (key for key in pending if key is not None)
         return EngineStats(
-            num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
-            num_free_blocks=self.engine.kv_cache.num_free_blocks,
-            num_total_blocks=self.engine.kv_cache.num_blocks,
+            num_running=queues.num_running,
+            num_waiting=queues.num_waiting + pending.total(),
+            num_free_blocks=kv_cache.num_free_blocks,
+            num_total_blocks=kv_cache.num_blocks,
+            kv_cache_usage_ratio=1 - kv_cache.num_free_blocks / kv_cache.num_blocks,
             num_steps=self._num_steps,
             num_generated_tokens=self._num_generated_tokens,
             num_finished_requests=self._num_finished,
@@ -178,6 +222,9 @@ class AsyncEngine:
             num_resident_adapters=pages.num_resident,
             num_free_adapter_pages=min(pages.num_free_pages.values()),
             num_total_adapter_pages=pages.num_pages,
+            max_resident_adapters=pages.capacity_for_rank(self.engine.adapters.config.max_rank),
+            running_adapters=queues.running_adapters,
+            waiting_adapters=tuple(dict.fromkeys((*queues.waiting_adapters, *pending_adapters))),
         )
 
     async def shutdown(self, deadline_s: float = 10.0) -> None:
@@ -195,6 +242,7 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._stopping.is_set():
             self._drain_commands(block=not self.engine.has_unfinished_requests())
+            self._publish_queues()
             if self.engine.has_unfinished_requests():
                 self._step()
         # Aborts queued by `shutdown` just before it set `_stopping` must still free their blocks.
@@ -220,8 +268,14 @@ class AsyncEngine:
             self._fail_running(error)
             return
         self._num_steps += 1
+        self._publish_queues()  # before the outputs: whoever reads one finds its request counted
         for output in outputs:
             self._publish(output)
+
+    def _publish_queues(self) -> None:
+        scheduler = self.engine.scheduler
+        self._queues = _Queues(len(scheduler.running), len(scheduler.waiting),
+                               _distinct_adapters(scheduler.running), _distinct_adapters(scheduler.waiting))
 
     def _publish(self, output: RequestOutput) -> None:
         stream = self._streams.get(output.request_id)
@@ -244,3 +298,7 @@ class AsyncEngine:
         stream = self._streams.pop(request_id, None)
         if stream is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(stream._push, error)
+
+
+def _distinct_adapters(requests: Iterable[Request]) -> tuple[AdapterKey, ...]:
+    return tuple(dict.fromkeys(request.adapter_key for request in requests if request.adapter_key is not None))

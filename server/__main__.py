@@ -44,6 +44,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-in-flight", type=int, default=_DEFAULTS.max_in_flight)
     parser.add_argument("--max-body-bytes", type=int, default=_DEFAULTS.max_body_bytes)
     parser.add_argument("--shutdown-deadline", type=float, default=_DEFAULTS.shutdown_deadline_s)
+    parser.add_argument("--metrics-tenant", default=None,
+                        help="only this tenant's tokens read /metrics, seeing every series (default: every "
+                             "tenant reads it, seeing only its own adapters' series)")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="also serve /metrics, every series and no token, on this port of --host, for "
+                             "scrapers that send no token (routers); keep it off public networks")
+    parser.add_argument("--metrics-max-adapters", type=int, default=_DEFAULTS.metrics_max_adapters,
+                        help="adapters counted in their own /metrics series; later ones share their "
+                             "tenant's (other) series")
     adapters = parser.add_argument_group("adapters")
     adapters.add_argument("--hub-endpoint", default=None,
                           help="Hugging Face hub URL for hub adapters, e.g. https://huggingface.co "
@@ -86,7 +95,8 @@ def _config(args: argparse.Namespace) -> ServerConfig:
                         s3_region=args.s3_region, adapter_dir=args.adapter_dir,
                         registry_bucket=args.registry_bucket, public_url=args.public_url,
                         max_upload_bytes=args.max_upload_bytes,
-                        demo_adapters_dir=args.demo_adapters)
+                        demo_adapters_dir=args.demo_adapters, metrics_tenant=args.metrics_tenant,
+                        metrics_max_adapters=args.metrics_max_adapters, metrics_port=args.metrics_port)
 
 
 def _create_token(database: Database, tenant: str) -> None:
@@ -115,6 +125,10 @@ def _serve(args: argparse.Namespace, config: ServerConfig, database: Database) -
     from server.deployments import read_deployments_file, register_deployments
 
     demo_token = _ensure_demo_tenant(database, config.data_dir)
+    if config.metrics_tenant is not None and config.metrics_tenant not in list_tenants(database):
+        logger.warning("--metrics-tenant %s is no tenant yet: /metrics answers 403 to every token until "
+                       "it is created (python -m server tokens create --tenant %s)",
+                       config.metrics_tenant, config.metrics_tenant)
     options = (("model", args.model), ("dtype", args.dtype), ("device", args.device))
     engine_options = {key: value for key, value in options if value is not None}
     # Requests never name server paths: `local` is the configured adapter directory or nothing.
@@ -135,18 +149,24 @@ def _serve(args: argparse.Namespace, config: ServerConfig, database: Database) -
 def _announce_demo(config: ServerConfig, model_name: str, token: str, adapter_names: list[str]) -> None:
     # Shown once, on the terminal of whoever started the server: the token is not logged.
     token_file = config.data_dir / DEMO_TOKEN_FILE
-    url = f"http://{config.host}:{config.port}/{DEMO_TENANT}/deployments/v2/llms/{model_name}/generate"
-    curl = f"  curl -s {url} -H \"Authorization: Bearer $(cat {token_file})\" -H 'Content-Type: application/json' "
+    prefix = f"http://{config.host}:{config.port}/{DEMO_TENANT}/deployments/v2/llms/{model_name}"
+
+    def curl(path: str, body: str) -> str:
+        return (f"  curl -s {prefix}{path} -H \"Authorization: Bearer $(cat {token_file})\" "
+                f"-H 'Content-Type: application/json' -d '{body}'\n")
+
     lines = [f"Created tenant '{DEMO_TENANT}'. Its token (also in {token_file}):\n  {token}\n",
-             "Try:\n", curl + "-d '{\"inputs\": \"A LoRA adapter is\", \"parameters\": {\"max_new_tokens\": 40}}'\n"]
+             "Try:\n", curl("/generate", '{"inputs": "A LoRA adapter is", "parameters": {"max_new_tokens": 40}}')]
     if adapter_names:
         example = "french" if "french" in adapter_names else adapter_names[0]
         lines += [f"Demo adapters (pbase repos of '{DEMO_TENANT}'): "
                   + ", ".join(f"{name}/1" for name in adapter_names) + "\nWith an adapter:\n",
-                  curl + "-d '{\"inputs\": \"What is the capital of Italy?\", "
                   # The demo adapters were trained on chat-formatted prompts.
-                  f"\"parameters\": {{\"max_new_tokens\": 40, \"adapter_id\": \"{example}/1\", "
-                  "\"apply_chat_template\": true}}'\n"]
+                  curl("/generate", '{"inputs": "What is the capital of Italy?", "parameters": '
+                       f'{{"max_new_tokens": 40, "adapter_id": "{example}/1", "apply_chat_template": true}}}}'),
+                  f"OpenAI-compatible (the openai client: base_url={prefix}/v1, api_key=the token):\n",
+                  curl("/v1/chat/completions", f'{{"model": "{example}/1", "max_tokens": 40, "messages": '
+                       '[{"role": "user", "content": "What is the capital of Italy?"}]}')]
     sys.stdout.write("".join(lines))
     sys.stdout.flush()
 

@@ -20,7 +20,9 @@ from server.bridge import Admission
 from server.config import ServerConfig
 from server.db import Database
 from server.errors import install_error_handlers
-from server.metrics import ServerMetrics
+from server.metrics import MetricsListener, ServerMetrics
+from server.openai_api import routes as openai_routes
+from server.openai_api.protocol import ChatCompletionRequest, CompletionRequest, OpenAIErrorResponse
 from server.protocol import (CompatRequest, ErrorResponse, GenerateRequest, GenerateResponse,
                              StreamResponse)
 from server.registry.uploads import UPLOAD_ROUTE
@@ -45,11 +47,12 @@ def create_app(config: ServerConfig, engine, database: Database,
                         metrics=None,
                         adapters=adapters or adapter_services(config, database, engine))
     state.metrics = ServerMetrics(lambda: state.async_engine and state.async_engine.stats(),
-                                  lambda: admission.num_in_flight)
+                                  lambda: admission.num_in_flight, config.metrics_max_adapters)
     app = FastAPI(title="LoRA serving", version="0.1.0", lifespan=_lifespan)
     app.state.server = state
     install_error_handlers(app)
     app.include_router(inference.router)
+    app.include_router(openai_routes.router)
     app.include_router(service.router)
     app.include_router(control.router)
     app.include_router(registry.router)
@@ -64,11 +67,16 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     async_engine = AsyncEngine(state.engine)
     await async_engine.start()
     state.async_engine = async_engine
+    if state.config.metrics_port is not None:
+        state.metrics_listener = MetricsListener(state.metrics, state.config.host, state.config.metrics_port)
+        state.metrics_listener.start()
     try:
         yield
     finally:
         await _drain(state)
         await async_engine.shutdown(0.0)
+        if state.metrics_listener is not None:
+            state.metrics_listener.stop()
 
 
 async def _drain(state: ServerState) -> None:
@@ -88,7 +96,8 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
         return app.openapi_schema
     document = get_openapi(title=app.title, version=app.version, routes=app.routes)
     schemas = document.setdefault("components", {}).setdefault("schemas", {})
-    for model in (GenerateRequest, CompatRequest, GenerateResponse, StreamResponse, ErrorResponse):
+    for model in (GenerateRequest, CompatRequest, GenerateResponse, StreamResponse, ErrorResponse,
+                  ChatCompletionRequest, CompletionRequest, OpenAIErrorResponse):
         model_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(model_schema.pop("$defs", {}))
         schemas[model.__name__] = model_schema

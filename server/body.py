@@ -8,7 +8,8 @@ from typing import TypeVar
 import pydantic
 from starlette.requests import Request
 
-from server.errors import bad_request, describe_validation_errors, payload_too_large, validation
+from server.errors import (bad_request, describe_validation_errors, first_location, payload_too_large,
+                           validation)
 
 Model = TypeVar("Model", bound=pydantic.BaseModel)
 
@@ -38,4 +39,5 @@ async def read_model(request: Request, model: type[Model], limit_bytes: int) -> 
     try:
         return model.model_validate(document)
     except pydantic.ValidationError as error:
-        raise validation(describe_validation_errors(error.errors())) from None
+        errors = error.errors()
+        raise validation(describe_validation_errors(errors), first_location(errors)) from None

@@ -21,6 +21,11 @@ class ServerConfig:
     credentials come from the standard AWS chain), `adapter_dir` (None: no `local` source).
     The registry keeps blobs under `data_dir/blobs`, or in `registry_bucket` when set (on the same
     S3 endpoint). Signed upload URLs start with `public_url`, else with the URL the client used.
+
+    `/metrics` (docs/api.md section 1): with `metrics_tenant` set, only that tenant's tokens read it
+    (403 for the others) and see every series; unset, every tenant reads it and sees, of the series
+    that name adapters, those of its own adapters. `metrics_max_adapters` bounds the per-adapter
+    counters' series (later adapters are counted in their tenant's `(other)` series).
     """
 
     host: str = "127.0.0.1"
@@ -44,12 +49,18 @@ class ServerConfig:
     max_upload_bytes: int = 2 * 1024**3
     upload_url_ttl_s: int = 3600
     demo_adapters_dir: Path | None = DEFAULT_DEMO_ADAPTERS_DIR
+    metrics_tenant: str | None = None
+    metrics_max_adapters: int = 100
+    # A second listener serving every /metrics series without a token (the EPP's scraper sends none).
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1:
             raise ValueError("max_in_flight must be >= 1")
         if self.max_body_bytes < 1:
             raise ValueError("max_body_bytes must be >= 1")
+        if self.metrics_max_adapters < 0:
+            raise ValueError("metrics_max_adapters must be >= 0")
 
     @property
     def resolved_database_url(self) -> str:

@@ -1,31 +1,35 @@
-"""The service's HTTP errors and their one JSON shape, `{"error": ..., "error_type": ...}`
-(docs/api.md section 6). Engine errors already carry `error_type` and `status_code`; the errors
+"""The service's HTTP errors and their JSON shape, `{"error": ..., "error_type": ...}` (docs/api.md
+section 6), or OpenAI's `{"error": {message, type, param, code}}` on the OpenAI-compatible routes. Engine errors already carry `error_type` and `status_code`; the errors
 here are the ones only the HTTP layer can raise (auth, routing, body, admission)."""
 from __future__ import annotations
 
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lora_runtime.errors import EngineError
+from lora_runtime.errors import EngineError, ValidationError
 
 logger = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
-    """A refusal with a status, an error type and a message, plus optional response headers."""
+    """A refusal with a status, an error type and a message, plus optional response headers and
+    the request field it concerns (`param`, shown by the OpenAI error shape)."""
 
     def __init__(
-        self, status_code: int, error_type: str, message: str, headers: dict[str, str] | None = None
+        self, status_code: int, error_type: str, message: str, headers: dict[str, str] | None = None,
+        param: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.error_type = error_type
         self.message = message
         self.headers = headers or {}
+        self.param = param
 
 
 def bad_request(message: str) -> ApiError:
@@ -44,8 +48,8 @@ def not_found(message: str) -> ApiError:
     return ApiError(404, "not_found", message)
 
 
-def validation(message: str) -> ApiError:
-    return ApiError(422, "validation", message)
+def validation(message: str, param: str | None = None) -> ApiError:
+    return ApiError(422, "validation", message, param=param)
 
 
 def overloaded(retry_after_s: int) -> ApiError:
@@ -64,14 +68,40 @@ def payload_too_large(limit_bytes: int) -> ApiError:
 def from_engine_error(error: EngineError, retry_after_s: int) -> ApiError:
     """The HTTP form of an engine error; 429 from the engine also gets `Retry-After`."""
     headers = {"Retry-After": str(retry_after_s)} if error.status_code == 429 else None
-    return ApiError(error.status_code, error.error_type, error.message, headers)
+    param = error.field if isinstance(error, ValidationError) else None
+    return ApiError(error.status_code, error.error_type, error.message, headers, param)
 
 
 def error_body(error_type: str, message: str) -> dict[str, str]:
     return {"error": message, "error_type": error_type}
 
 
-def error_response(error: ApiError) -> JSONResponse:
+# OpenAI's error types by status; its client raises a typed exception per status.
+_OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                 404: "invalid_request_error", 413: "invalid_request_error",
+                 422: "invalid_request_error", 429: "rate_limit_error"}
+# The OpenAI-compatible routes live under `PREFIX/v1`; their errors take OpenAI's shape.
+_OPENAI_PATH = re.compile(r"^/[^/]+/deployments/v2/llms/[^/]+/v1(/|$)")
+
+
+def openai_error_body(error: ApiError) -> dict[str, dict[str, str | None]]:
+    """OpenAI's shape: `{"error": {message, type, param, code}}`; `code` is our `error_type`."""
+    kind = _OPENAI_TYPES.get(error.status_code, "server_error")
+    return {"error": {"message": error.message, "type": kind, "param": error.param,
+                      "code": error.error_type}}
+
+
+def is_openai_path(path: str) -> bool:
+    return _OPENAI_PATH.match(path) is not None
+
+
+def error_response(error: ApiError, path: str = "") -> JSONResponse:
+    """The error in the shape of the route at `path`: OpenAI's under `/v1`, ours elsewhere."""
+    if is_openai_path(path):
+        # OpenAI answers a bad parameter with 400, never 422, and so do its peers; its client
+        # raises BadRequestError for it.
+        status = 400 if error.error_type == "validation" else error.status_code
+        return JSONResponse(openai_error_body(error), status, error.headers)
     return JSONResponse(error_body(error.error_type, error.message), error.status_code, error.headers)
 
 
@@ -83,23 +113,27 @@ _STATUS_ERROR_TYPES = {400: "bad_request", 401: "authentication", 403: "forbidde
 def install_error_handlers(app: FastAPI) -> None:
     """Replace FastAPI's default error bodies (detail lists) with the service's shape."""
 
-    async def on_api_error(_: Request, error: ApiError) -> JSONResponse:
-        return error_response(error)
+    async def on_api_error(request: Request, error: ApiError) -> JSONResponse:
+        return error_response(error, request.url.path)
 
-    async def on_http_exception(_: Request, error: StarletteHTTPException) -> JSONResponse:
+    async def on_http_exception(request: Request, error: StarletteHTTPException) -> JSONResponse:
         error_type = _STATUS_ERROR_TYPES.get(error.status_code, "bad_request")
-        return JSONResponse(error_body(error_type, str(error.detail)), error.status_code, error.headers)
+        api_error = ApiError(error.status_code, error_type, str(error.detail), dict(error.headers or {}))
+        return error_response(api_error, request.url.path)
 
-    async def on_request_validation(_: Request, error: RequestValidationError) -> JSONResponse:
-        return error_response(validation(describe_validation_errors(error.errors())))
+    async def on_request_validation(request: Request, error: RequestValidationError) -> JSONResponse:
+        errors = error.errors()
+        return error_response(validation(describe_validation_errors(errors), first_location(errors)),
+                              request.url.path)
 
     async def on_engine_error(request: Request, error: EngineError) -> JSONResponse:
         # Registry and adapter failures raised by routes that are not the engine's own.
-        return error_response(from_engine_error(error, request.app.state.server.config.retry_after_s))
+        api_error = from_engine_error(error, request.app.state.server.config.retry_after_s)
+        return error_response(api_error, request.url.path)
 
-    async def on_unexpected(_: Request, error: Exception) -> JSONResponse:
+    async def on_unexpected(request: Request, error: Exception) -> JSONResponse:
         logger.exception("unhandled error", exc_info=error)
-        return JSONResponse(error_body("internal", "internal server error"), 500)
+        return error_response(ApiError(500, "internal", "internal server error"), request.url.path)
 
     app.add_exception_handler(ApiError, on_api_error)
     app.add_exception_handler(StarletteHTTPException, on_http_exception)
@@ -110,8 +144,14 @@ def install_error_handlers(app: FastAPI) -> None:
 
 def describe_validation_errors(errors: list[dict]) -> str:
     """One readable line per pydantic error, each naming the field by its dotted path."""
-    parts = []
-    for item in errors:
-        location = ".".join(str(part) for part in item.get("loc", ()) if part != "body")
-        parts.append(f"{location or 'body'}: {item.get('msg', 'invalid value')}")
+    parts = [f"{_location(item) or 'body'}: {item.get('msg', 'invalid value')}" for item in errors]
     return "; ".join(parts)
+
+
+def first_location(errors: list[dict]) -> str | None:
+    """The dotted path of the first field pydantic refused."""
+    return _location(errors[0]) or None if errors else None
+
+
+def _location(item: dict) -> str:
+    return ".".join(str(part) for part in item.get("loc", ()) if part != "body")

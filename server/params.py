@@ -11,14 +11,20 @@ import json
 from typing import Any
 
 from lora_runtime.adapters.merge import MergedAdapters
-from lora_runtime.adapters.refs import AdapterRef, AdapterRequest, Caller, parse_adapter_ref
+from lora_runtime.adapters.refs import (
+    AdapterRef,
+    AdapterRequest,
+    Caller,
+    parse_adapter_ref,
+)
 from lora_runtime.adapters.sources.ids import infer_source
-from lora_runtime.core import SamplingParams
+from lora_runtime.core import MAX_TOP_LOGPROBS, SamplingParams
 from lora_runtime.errors import ValidationError
 from lora_runtime.sampling.schema import schema_from_response_format
 from server.config import ServerConfig
 from server.protocol import GenerateParameters
 from server.protocol import MergedAdapters as WireMergedAdapters
+from server.responses import TopCounts
 
 _SAMPLING_FIELDS = frozenset(field.name for field in dataclasses.fields(SamplingParams))
 
@@ -41,12 +47,20 @@ def to_sampling_params(
     penalty = _repetition_penalty(parameters)
     if penalty is not None:
         values["repetition_penalty"] = penalty
+    if parameters.frequency_penalty is not None:
+        values["frequency_penalty"] = parameters.frequency_penalty
+        values["penalty_counts"] = "sequence_fraction"  # TGI's definition (docs/semantics.md)
     if parameters.stop:
         values["stop"] = tuple(parameters.stop)
-    schema = schema_text(parameters)
-    if schema is not None:
-        values["schema"] = schema
-    _check_service_limits(values, config, is_stream)
+    values.update(_constraint(parameters))
+    counts = top_counts(parameters)
+    if max(counts.top_n_tokens, counts.alternatives):
+        values["top_logprobs"] = max(counts.top_n_tokens, counts.alternatives)
+    if values.get("best_of", 1) > 1 and values.get("seed") is not None:
+        # TGI's rule, which its and LoRAX's clients check before sending; the engine itself would
+        # give candidate i the seed + i (the OpenAI routes' `n` does).
+        raise ValidationError("seed", "must not be set when best_of > 1")
+    check_service_limits(values, config, is_stream)
     _refuse_unsupported(values)
     return SamplingParams(**values)
 
@@ -57,17 +71,39 @@ def _repetition_penalty(parameters: GenerateParameters) -> float | None:
     return parameters.repitition_penalty
 
 
-def schema_text(parameters: GenerateParameters) -> str | None:
-    """The JSON schema as a string, from `schema` (string or object) or LoRAX's `response_format`."""
-    if parameters.schema_ is not None and parameters.response_format is not None:
-        raise ValidationError("schema", "send either schema or response_format, not both")
+def top_counts(parameters: GenerateParameters | None) -> TopCounts:
+    """How many most likely tokens `top_n_tokens` and `return_k_alternatives` ask for (0: none)."""
+    if parameters is None:
+        return TopCounts()
+    for name in ("top_n_tokens", "return_k_alternatives"):
+        value = getattr(parameters, name)
+        if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise ValidationError(name, f"must be in [0, {MAX_TOP_LOGPROBS}]")
+    return TopCounts(top_n_tokens=parameters.top_n_tokens or 0,
+                     alternatives=parameters.return_k_alternatives or 0)
+
+
+def _constraint(parameters: GenerateParameters) -> dict[str, str]:
+    """`schema` or `regex` for the engine, from whichever of `schema`, LoRAX's `response_format`
+    and TGI's `grammar` was sent (at most one)."""
+    sent = [name for name in ("schema_", "response_format", "grammar") if getattr(parameters, name) is not None]
+    if len(sent) > 1:
+        names = " and ".join(name.rstrip("_") for name in sent)
+        raise ValidationError(sent[0].rstrip("_"), f"send only one of schema, response_format and grammar (got {names})")
     if parameters.response_format is not None:
-        return schema_from_response_format(parameters.response_format.model_dump(by_alias=True))
-    schema = parameters.schema_
-    return schema if schema is None or isinstance(schema, str) else json.dumps(schema)
+        return {"schema": schema_from_response_format(parameters.response_format.model_dump(by_alias=True))}
+    grammar = parameters.grammar
+    if grammar is not None and grammar.type == "regex":
+        if not isinstance(grammar.value, str) or not grammar.value:
+            raise ValidationError("grammar.value", "a regex grammar needs a non-empty string")
+        return {"regex": grammar.value}
+    schema = grammar.value if grammar is not None else parameters.schema_
+    if schema is None:
+        return {}
+    return {"schema": schema if isinstance(schema, str) else json.dumps(schema)}
 
 
-def _check_service_limits(values: dict[str, Any], config: ServerConfig, is_stream: bool) -> None:
+def check_service_limits(values: dict[str, Any], config: ServerConfig, is_stream: bool) -> None:
     # The engine checks the stop-sequence and best_of limits; what a stream cannot do is ours.
     best_of = values.get("best_of", 1)
     if is_stream and isinstance(best_of, int) and best_of > 1:

@@ -32,6 +32,13 @@ class ResponseFormat(_Request):
     schema_: dict[str, Any] | str | None = Field(default=None, alias="schema")
 
 
+class Grammar(_Request):
+    """TGI's constraint: `json` (a JSON schema, as an object or a string) or `regex`."""
+
+    type: Literal["json", "regex"]
+    value: dict[str, Any] | str
+
+
 class GenerateParameters(_Request):
     adapter_id: str | None = None
     adapter_source: str | None = None
@@ -43,6 +50,8 @@ class GenerateParameters(_Request):
     do_sample: bool | None = None
     max_new_tokens: int | None = None
     repetition_penalty: float | None = None
+    # TGI's definition: the token's share of the sequence so far (docs/semantics.md).
+    frequency_penalty: float | None = None
     # The original interface's parameter table spells it this way; the correct spelling wins when
     # both are sent (docs/api.md section 2).
     repitition_penalty: float | None = None
@@ -59,7 +68,11 @@ class GenerateParameters(_Request):
     schema_: dict[str, Any] | str | None = Field(
         default=None, validation_alias=AliasChoices("schema"), serialization_alias="schema")
     response_format: ResponseFormat | None = None
+    grammar: Grammar | None = None
     apply_chat_template: bool | None = None
+    # TGI's `top_tokens` in details and stream events; LoRAX's `alternative_tokens` on each token.
+    top_n_tokens: int | None = None
+    return_k_alternatives: int | None = None
 
 
 class GenerateRequest(_Request):
@@ -73,10 +86,27 @@ class CompatRequest(GenerateRequest):
     stream: bool | None = None
 
 
+# As TGI and LoRAX do, the top tokens and alternatives appear only when asked for.
+_OMITTED_UNLESS_ASKED = Field(default=None, exclude_if=lambda value: value is None)
+
+
 class PrefillToken(BaseModel):
     id: int
     text: str
     logprob: float | None
+
+
+class AlternativeToken(BaseModel):
+    id: int
+    text: str
+    logprob: float
+
+
+class TopToken(BaseModel):
+    id: int
+    text: str
+    logprob: float
+    special: bool
 
 
 class Token(BaseModel):
@@ -85,6 +115,7 @@ class Token(BaseModel):
     logprob: float
     special: bool
     skipped: bool = False
+    alternative_tokens: list[AlternativeToken] | None = _OMITTED_UNLESS_ASKED
 
 
 class BestOfSequence(BaseModel):
@@ -95,6 +126,7 @@ class BestOfSequence(BaseModel):
     seed: int | None
     prefill: list[PrefillToken]
     tokens: list[Token]
+    top_tokens: list[list[TopToken]] | None = _OMITTED_UNLESS_ASKED
 
 
 class Details(BaseModel):
@@ -104,6 +136,7 @@ class Details(BaseModel):
     seed: int | None
     prefill: list[PrefillToken]
     tokens: list[Token]
+    top_tokens: list[list[TopToken]] | None = _OMITTED_UNLESS_ASKED
     best_of_sequences: list[BestOfSequence] | None = None
 
 
@@ -121,6 +154,7 @@ class StreamDetails(BaseModel):
 
 class StreamResponse(BaseModel):
     token: Token
+    top_tokens: list[TopToken] | None = _OMITTED_UNLESS_ASKED
     generated_text: str | None = None
     details: StreamDetails | None = None
 

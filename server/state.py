@@ -12,7 +12,7 @@ from server.adapter_sources import AdapterServices
 from server.bridge import Admission
 from server.config import ServerConfig
 from server.db import Database
-from server.metrics import ServerMetrics
+from server.metrics import MetricsListener, ServerMetrics
 
 
 @dataclass(slots=True)
@@ -24,6 +24,7 @@ class ServerState:
     metrics: ServerMetrics | None
     adapters: AdapterServices
     async_engine: AsyncEngine | None = None  # set when the app starts
+    metrics_listener: MetricsListener | None = None  # while the app runs, with `metrics_port`
 
     @property
     def model_name(self) -> str:

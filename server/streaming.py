@@ -1,6 +1,6 @@
-"""Server-sent events for one engine stream (docs/api.md section 4): a chunk per new token, the last
-one carrying the text and details, `:` comments after silence, an error event after the first
-byte, and cleanup (abort, admission slot) however the response ends."""
+"""Server-sent events for one engine stream (docs/api.md section 4): the events the route's answer
+renders, `:` comments after silence, an error event after the first byte, and cleanup (abort,
+admission slot) however the response ends."""
 from __future__ import annotations
 
 import asyncio
@@ -11,11 +11,11 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from lora_runtime.async_engine import RequestStream
-from lora_runtime.core import RequestOutput, SamplingParams
+from lora_runtime.core import RequestOutput
 from lora_runtime.errors import EngineError
 from server.bridge import wait_for_disconnect
-from server.errors import error_body
-from server.responses import SSE_KEEPALIVE, sse_event, stream_chunk
+from server.errors import ApiError
+from server.responses import SSE_KEEPALIVE, sse_event
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -62,38 +62,30 @@ async def with_keepalive(stream, first: asyncio.Future,
             pending.cancel()
 
 
-async def sse_events(stream, first: asyncio.Future, inputs: str, params: SamplingParams,
-                     keepalive_s: float,
-                     on_final: Callable[[RequestOutput], None]) -> AsyncIterator[bytes]:
-    """The response body; `on_final` sees the final output as it arrives, before its events are
-    sent, so that a client leaving during them does not take the request out of the counts."""
-    num_sent = 0
+async def sse_events(stream, first: asyncio.Future, answer, keepalive_s: float,
+                     on_final: Callable[[RequestOutput], None],
+                     to_api_error: Callable[[Exception], ApiError]) -> AsyncIterator[bytes]:
+    """The response body, rendered by `answer` (a `server.serving.Answer`); `on_final` sees the
+    final output as it arrives, before its events are sent, so that a client leaving during them
+    does not take the request out of the counts."""
     try:
         async for output in with_keepalive(stream, first, keepalive_s):
             if output is None:
                 yield SSE_KEEPALIVE
                 continue
             if output.error is not None:
-                yield _error_event(output.error)
-                return
+                yield sse_event(answer.error_payload(to_api_error(output.error)))
+                break
             if output.finished:
                 on_final(output)
-            new_tokens = output.tokens[num_sent:]
-            for index, token in enumerate(new_tokens):
-                is_last = output.finished and index == len(new_tokens) - 1
-                chunk = stream_chunk(token, output if is_last else None, inputs, params)
-                yield sse_event(chunk.model_dump())
-            num_sent = len(output.tokens)
+            for payload in answer.stream_payloads(output):
+                yield sse_event(payload)
             if output.finished:
-                return
+                break
     except EngineError as error:
-        yield _error_event(error)
-
-
-def _error_event(error: Exception) -> bytes:
-    if isinstance(error, EngineError):
-        return sse_event(error_body(error.error_type, error.message))
-    return sse_event(error_body("incomplete_generation", f"the engine failed the request: {error}"))
+        yield sse_event(answer.error_payload(to_api_error(error)))
+    for tail in answer.stream_end():
+        yield tail
 
 
 class CleanupStreamingResponse(StreamingResponse):

@@ -129,6 +129,11 @@ class AdapterPagePool:
         """Free pages per module (idle residents' pages not counted as free)."""
         return {module: len(free) for module, free in self._free.items()}
 
+    def capacity_for_rank(self, rank: int) -> int:
+        """How many adapters of `rank` on every module an empty pool holds: for the largest allowed
+        rank, how many adapters are sure to fit at once whatever their ranks."""
+        return self.num_pages // pages_for_rank(rank)
+
     @property
     def num_resident(self) -> int:
         return len(self._placements)

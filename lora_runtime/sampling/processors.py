@@ -17,7 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from lora_runtime.sampling.watermark import WATERMARK_DELTA, WATERMARK_GAMMA, add_watermark_bias
+from lora_runtime.sampling.watermark import (
+    WATERMARK_DELTA,
+    WATERMARK_GAMMA,
+    add_watermark_bias,
+)
 
 FILTERED = float("-inf")
 

@@ -80,3 +80,25 @@ STREAM_DOC: dict[str, Any] = {
     "responses": {200: {"description": "one event per token; the last carries the text",
                         "content": _SSE}, **ERROR_RESPONSES},
 }
+
+
+# The OpenAI-compatible routes: OpenAI's error shape, its own body schemas, JSON or SSE answers.
+_OPENAI_ERROR_CONTENT = {"application/json": {"schema": _ref("OpenAIErrorResponse")}}
+OPENAI_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"description": text, "content": _OPENAI_ERROR_CONTENT}
+    for status, text in _ERRORS.items() if status != 409
+}
+_OPENAI_SSE = {"text/event-stream": {"schema": {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string"}}}}}
+
+
+def openai_generation_doc(body_schema: str, summary: str) -> dict[str, Any]:
+    return {
+        "response_class": CleanupStreamingResponse,
+        "summary": summary,
+        "openapi_extra": _request_body(body_schema),
+        "responses": {200: {"description": "the completion, or SSE chunks ending with `data: [DONE]`",
+                            "headers": GENERATE_HEADERS,
+                            "content": {"application/json": {"schema": {"type": "object"}}, **_OPENAI_SSE}},
+                      **OPENAI_ERROR_RESPONSES},
+    }

@@ -9,7 +9,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from server.auth import authenticate
-from server.errors import error_body
+from server.errors import error_body, forbidden
+from server.metrics import CONTENT_TYPE
 from server.routes.openapi import error_responses
 from server.state import server_state
 from server.tenancy import visible_deployments
@@ -99,8 +100,19 @@ async def info(request: Request) -> Info:
 @router.get("/metrics", response_class=Response,
             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
                              "description": "Prometheus text format"},
-                       **error_responses(401)})
+                       **error_responses(401),
+                       403: {**error_responses(403)[403], "description": "not the metrics tenant"}})
 async def metrics(request: Request) -> Response:
     state = server_state(request)
-    authenticate(request, state.database)
-    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    viewer = _metrics_viewer(authenticate(request, state.database), state.config.metrics_tenant)
+    return Response(state.metrics.render(viewer), media_type=CONTENT_TYPE)
+
+
+def _metrics_viewer(tenant: str, metrics_tenant: str | None) -> str | None:
+    """Whose adapters' series the caller sees (None: all). With no metrics tenant configured, every
+    tenant reads /metrics and sees its own: adapter ids name private adapters. With one, only it reads."""
+    if metrics_tenant is None:
+        return tenant
+    if tenant != metrics_tenant:
+        raise forbidden("only the metrics tenant's tokens may read /metrics")
+    return None

@@ -43,6 +43,16 @@ class LiveServer:
         self.database.dispose()
 
 
+def pbase_engine(shared, data_dir: Path, database: Database, config=None):
+    """An engine on `shared`'s weights (and `config`, else its config) whose `pbase` source reads
+    the registry in `database`, as the server's own engine does."""
+    from lora_runtime import Engine
+    from server.adapter_sources import engine_adapter_sources
+
+    sources = engine_adapter_sources(ServerConfig(data_dir=data_dir), database)
+    return Engine(config or shared.config, shared.model, shared.tokenizer, shared.model_name, sources)
+
+
 def start_live_server(engine, data_dir: Path, **overrides) -> LiveServer:
     database = open_database(f"sqlite:///{data_dir / 'state.db'}")
     tokens = {}

@@ -51,7 +51,7 @@ def disconnect_logged(caplog: pytest.LogCaptureFixture, route: str, request_id: 
 
 
 def test_stream_disconnect_is_counted_logged_and_its_tokens_kept(live, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="server.routes.inference")
+    caplog.set_level(logging.INFO, logger="server.serving")
     disconnects, generated = _metric(live, DISCONNECTS), _metric(live, GENERATED)
     with httpx.stream("POST", live.prefix() + "/generate_stream", json=LONG, headers=live.headers(),
                       timeout=60) as response:
@@ -66,7 +66,7 @@ def test_stream_disconnect_is_counted_logged_and_its_tokens_kept(live, caplog: p
 
 
 def test_plain_disconnect_is_counted_logged_and_its_tokens_kept(live, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="server.routes.inference")
+    caplog.set_level(logging.INFO, logger="server.serving")
     disconnects, generated = _metric(live, DISCONNECTS), _metric(live, GENERATED)
     with send_and_keep_open(live, "/generate", LONG):
         # A fourth token means the step that made the third one has been handed to the server.

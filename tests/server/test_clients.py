@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import json
+import re
 
 import httpx
+import jsonschema
 import lorax
 import lorax.errors
 import pytest
@@ -12,7 +14,7 @@ import text_generation
 import text_generation.errors
 
 from server import client as ours
-from tests.server.test_http_load import LONG, engine_is_idle, wait_until
+from tests.server.test_http_load import server_full
 
 # One worker per module under xdist: its live server is started once.
 pytestmark = pytest.mark.xdist_group("test_clients")
@@ -56,20 +58,12 @@ def test_official_clients_raise_their_typed_errors(live, module) -> None:
 
 
 def test_official_clients_raise_overloaded_when_the_server_is_full(live) -> None:
-    readers = []  # kept referenced: a collected line iterator closes its connection
-    with contextlib.ExitStack() as held, httpx.Client(timeout=60) as http:
-        for _ in range(live.state.config.max_in_flight):
-            response = held.enter_context(http.stream("POST", live.prefix() + "/generate_stream",
-                                                      json=LONG, headers=live.headers()))
-            readers.append(response.iter_lines())
-            assert next(readers[-1]).startswith("data:")
-        assert live.state.admission.num_in_flight == live.state.config.max_in_flight
+    with server_full(live):
         for module in (lorax, text_generation):
             with pytest.raises(module.errors.OverloadedError):
                 module.Client(live.prefix(), headers=live.headers()).generate(PROMPT, max_new_tokens=2)
         with pytest.raises(ours.OverloadedError):
             ours.Client(live.base_url, live.tokens["demo"], "demo", live.model_name).generate(PROMPT)
-    wait_until(lambda: engine_is_idle(live), 10)
 
 
 def test_lorax_async_client(live, reference) -> None:
@@ -108,3 +102,39 @@ def test_our_client_raises_typed_errors(live) -> None:
         list(ours.Client(live.base_url, live.tokens["other"], "demo", live.model_name).generate_stream(PROMPT))
     with pytest.raises(ours.NotFoundError):
         ours.Client(live.base_url, live.tokens["demo"], "demo", "nope").generate(PROMPT)
+
+
+def test_text_generation_client_gets_tgis_grammar_top_tokens_and_frequency_penalty(live) -> None:
+    from text_generation.types import Grammar, GrammarType
+
+    client = text_generation.Client(live.prefix(), headers=live.headers(), timeout=60)
+    date = client.generate("Today's date is", max_new_tokens=20,
+                           grammar=Grammar(type=GrammarType.Regex, value="[0-9]{4}-[0-9]{2}-[0-9]{2}"))
+    assert re.fullmatch("[0-9]{4}-[0-9]{2}-[0-9]{2}", date.generated_text)
+    assert date.details.finish_reason.value == "eos_token"
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    shaped = client.generate("Answer in JSON:", max_new_tokens=20, grammar=Grammar(type=GrammarType.Json, value=schema))
+    jsonschema.validate(json.loads(shaped.generated_text), schema)
+
+    answer = client.generate(PROMPT, max_new_tokens=4, top_n_tokens=3)
+    assert len(answer.details.top_tokens) == 4
+    for token, top in zip(answer.details.tokens, answer.details.top_tokens):
+        assert len(top) == 3 and top[0].id == token.id  # greedy: the chosen token is the likeliest
+        assert [t.logprob for t in top] == sorted((t.logprob for t in top), reverse=True)
+    chunks = list(client.generate_stream(PROMPT, max_new_tokens=4, top_n_tokens=2))
+    assert [len(c.top_tokens) for c in chunks] == [2, 2, 2, 2]
+
+    # text-generation 0.7.0 refuses a frequency_penalty <= 0 before sending; TGI's server takes [-2, 2].
+    plain = client.generate("la la la la la la", max_new_tokens=12).generated_text
+    penalised = client.generate("la la la la la la", max_new_tokens=12, frequency_penalty=2.0).generated_text
+    assert penalised != plain
+
+
+def test_lorax_client_gets_alternative_tokens(live) -> None:
+    client = lorax.Client(live.prefix(), headers=live.headers(), timeout=60)
+    answer = client.generate(PROMPT, max_new_tokens=3, details=True, return_k_alternatives=2)
+    for token in answer.details.tokens:
+        assert len(token.alternative_tokens) == 2 and token.alternative_tokens[0].id == token.id
+    plain = client.generate(PROMPT, max_new_tokens=3, details=True)
+    assert all(token.alternative_tokens is None for token in plain.details.tokens)

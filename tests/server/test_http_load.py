@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 import asyncio
+import contextlib
 import socket
 import time
 
@@ -36,6 +37,22 @@ def engine_is_running(live) -> bool:
 
 
 LONG = {"inputs": "Count:", "parameters": {"max_new_tokens": 1500, "ignore_eos_token": True}}
+
+
+@contextlib.contextmanager
+def server_full(live):
+    """Every admission slot held by a long stream until the block ends; then waits for the engine
+    to be idle again."""
+    readers = []  # kept referenced: a collected line iterator closes its connection
+    with contextlib.ExitStack() as held, httpx.Client(timeout=60) as http:
+        for _ in range(live.state.config.max_in_flight):
+            response = held.enter_context(http.stream("POST", live.prefix() + "/generate_stream",
+                                                      json=LONG, headers=live.headers()))
+            readers.append(response.iter_lines())
+            assert next(readers[-1]).startswith("data:")
+        assert live.state.admission.num_in_flight == live.state.config.max_in_flight
+        yield
+    wait_until(lambda: engine_is_idle(live), 10)
 
 
 def test_burst_past_the_bound_gets_429_at_once(live) -> None:

@@ -44,6 +44,17 @@ def test_every_spec_parameter_reaches_sampling_params() -> None:
     assert params({"seed": 5, "do_sample": True}).seed == 5  # seed goes with best_of 1 only
 
 
+def test_tgi_parameters_reach_the_engine_with_tgis_semantics() -> None:
+    penalised = params({"frequency_penalty": 0.5})
+    assert (penalised.frequency_penalty, penalised.penalty_counts) == (0.5, "sequence_fraction")
+    assert params({"top_n_tokens": 3, "return_k_alternatives": 5}).top_logprobs == 5
+    assert params({"top_n_tokens": 0}).top_logprobs == 0
+    assert params({"grammar": {"type": "regex", "value": "[0-9]+"}}).regex == "[0-9]+"
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert json.loads(params({"grammar": {"type": "json", "value": schema}}).schema) == schema
+    assert params({"grammar": {"type": "json", "value": json.dumps(schema)}}).schema == json.dumps(schema)
+
+
 def test_both_penalty_spellings_and_the_correct_one_wins() -> None:
     assert params({"repitition_penalty": 1.5}).repetition_penalty == 1.5
     assert params({"repitition_penalty": 1.5, "repetition_penalty": 1.2}).repetition_penalty == 1.2
@@ -67,6 +78,11 @@ def test_schema_forms_become_one_json_string(body: dict) -> None:
     ({"top_p": 1.5}, False, "top_p"),
     ({"schema": "{}", "response_format": {"type": "json_object"}}, False, "schema"),
     ({"response_format": {"type": "json_schema"}}, False, "response_format"),
+    ({"grammar": {"type": "regex", "value": "a"}, "schema": "{}"}, False, "schema"),
+    ({"grammar": {"type": "regex", "value": ""}}, False, "grammar.value"),
+    ({"top_n_tokens": -1}, False, "top_n_tokens"),
+    ({"return_k_alternatives": 21}, False, "return_k_alternatives"),
+    ({"frequency_penalty": 2.5}, False, "frequency_penalty"),
 ])
 def test_refusals_name_the_field(body: dict, is_stream: bool, field: str) -> None:
     with pytest.raises(ValidationError) as refused:

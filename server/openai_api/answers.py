@@ -1,0 +1,226 @@
+"""Engine outputs in OpenAI's shapes: chat completions and (legacy) completions, whole or as SSE
+chunks ending with `data: [DONE]` (docs/api.md section 8).
+
+Differences from the TGI wire that OpenAI's clients rely on: a stop sequence is not part of the
+text (held back while streaming until it is known not to be one); finish reasons are `stop` (EOS or
+a stop sequence) and `length`; `n` choices are the best `n` candidates; usage counts every
+returned choice's tokens.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from lora_runtime.core import RequestOutput, SamplingParams, TokenInfo, TopToken
+from server.errors import ApiError, openai_error_body
+from server.responses import finite, sse_event
+
+_DONE = b"data: [DONE]\n\n"
+
+
+def _finish_reason(output: RequestOutput) -> str | None:
+    if output.finish_reason is None:
+        return None
+    return "length" if output.finish_reason == "length" else "stop"
+
+
+def _matched_stop(text: str, stops: tuple[str, ...]) -> str:
+    """The stop sequence `text` ends with (the longest, when several do)."""
+    return max((stop for stop in stops if text.endswith(stop)), key=len, default="")
+
+
+def visible_text(output: RequestOutput, stops: tuple[str, ...]) -> str:
+    """The text a client may see now: without the stop sequence that ended it, and while
+    generating, without a tail that may still become one."""
+    text = output.text
+    if output.finished:
+        return text[: len(text) - len(_matched_stop(text, stops))] if output.finish_reason == "stop_sequence" else text
+    held = max((size for stop in stops for size in range(1, len(stop))
+                if text.endswith(stop[:size])), default=0)
+    return text[: len(text) - held]
+
+
+def _choices(output: RequestOutput, n: int) -> list[RequestOutput]:
+    """The best `n` candidates: the engine's winner, then the others best first."""
+    return [output, *output.best_of_sequences][:n]
+
+
+def _usage(output: RequestOutput, choices: list[RequestOutput]) -> dict[str, int]:
+    prompt = len(output.prompt_token_ids)
+    completion = sum(len(choice.token_ids) for choice in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _token_bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def _chat_top(top: tuple[TopToken, ...]) -> list[dict[str, Any]]:
+    return [{"token": t.text, "logprob": finite(t.logprob), "bytes": _token_bytes(t.text)} for t in top]
+
+
+def _chat_logprobs(tokens: list[TokenInfo]) -> dict[str, Any]:
+    return {"content": [{"token": t.text, "logprob": finite(t.logprob), "bytes": _token_bytes(t.text),
+                         "top_logprobs": _chat_top(t.top)} for t in tokens]}
+
+
+class _OpenAIAnswer:
+    """What the chat and completions answers share: ids, the stream's text deltas, usage, the end."""
+
+    object_name = ""
+    chunk_object_name = ""
+    id_prefix = ""
+
+    def __init__(self, model: str, params: SamplingParams, n: int, include_usage: bool) -> None:
+        self.model = model
+        self.params = params
+        self.n = n
+        self.include_usage = include_usage
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self._num_chars_sent = 0
+        self._num_tokens_sent = 0
+        self._final: RequestOutput | None = None
+        self._failed = False
+
+    def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def complete(self, output: RequestOutput) -> dict[str, Any]:
+        choices = _choices(output, self.n)
+        body = self._envelope(self.object_name, [self._choice(index, choice)
+                                                 for index, choice in enumerate(choices)])
+        body["usage"] = _usage(output, choices)
+        return body
+
+    def stream_payloads(self, output: RequestOutput) -> list[dict[str, Any]]:
+        text = visible_text(output, self.params.stop)
+        delta, self._num_chars_sent = text[self._num_chars_sent:], len(text)
+        tokens, self._num_tokens_sent = output.tokens[self._num_tokens_sent:], len(output.tokens)
+        payloads = self._opening_payloads()
+        if delta or tokens or output.finished:
+            payload = self._envelope(self.chunk_object_name, [self._chunk_choice(delta, tokens, output)])
+            payloads.append(self._with_usage_field(payload))
+        if output.finished:
+            self._final = output
+        return payloads
+
+    def error_payload(self, error: ApiError) -> dict[str, Any]:
+        self._failed = True
+        return openai_error_body(error)
+
+    def stream_end(self) -> list[bytes]:
+        tail = []
+        if self.include_usage and self._final is not None and not self._failed:
+            usage = self._envelope(self.chunk_object_name, [])
+            usage["usage"] = _usage(self._final, [self._final])
+            tail.append(sse_event(usage))
+        return [*tail, _DONE]
+
+    def _with_usage_field(self, payload: dict[str, Any]) -> dict[str, Any]:
+        # With include_usage every chunk carries `usage: null`, and a last one with no choices the usage.
+        if self.include_usage:
+            payload["usage"] = None
+        return payload
+
+    def _opening_payloads(self) -> list[dict[str, Any]]:
+        return []
+
+    def _choice(self, index: int, output: RequestOutput) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _chunk_choice(self, delta: str, tokens: list[TokenInfo], output: RequestOutput) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class ChatAnswer(_OpenAIAnswer):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+
+    def __init__(self, model: str, params: SamplingParams, n: int, include_usage: bool,
+                 logprobs: bool) -> None:
+        super().__init__(model, params, n, include_usage)
+        self.logprobs = logprobs
+        self._opened = False
+
+    def _choice(self, index: int, output: RequestOutput) -> dict[str, Any]:
+        return {"index": index,
+                "message": {"role": "assistant", "content": visible_text(output, self.params.stop)},
+                "logprobs": _chat_logprobs(output.tokens) if self.logprobs else None,
+                "finish_reason": _finish_reason(output)}
+
+    def _opening_payloads(self) -> list[dict[str, Any]]:
+        """The first chunk names the role, as OpenAI's does."""
+        if self._opened:
+            return []
+        self._opened = True
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None}
+        return [self._with_usage_field(self._envelope(self.chunk_object_name, [choice]))]
+
+    def _chunk_choice(self, delta: str, tokens: list[TokenInfo], output: RequestOutput) -> dict[str, Any]:
+        return {"index": 0, "delta": {"content": delta} if delta else {},
+                "logprobs": _chat_logprobs(tokens) if self.logprobs and tokens else None,
+                "finish_reason": _finish_reason(output)}
+
+
+class CompletionAnswer(_OpenAIAnswer):
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+    id_prefix = "cmpl"
+
+    def __init__(self, model: str, params: SamplingParams, n: int, include_usage: bool,
+                 logprobs: int | None, echo_text: str | None) -> None:
+        super().__init__(model, params, n, include_usage)
+        self.logprobs = logprobs
+        self.echo_text = echo_text  # the prompt as text, when echoed
+        self._echoed = False
+
+    def _choice(self, index: int, output: RequestOutput) -> dict[str, Any]:
+        text = visible_text(output, self.params.stop)
+        logprobs = None
+        if self.logprobs is not None:
+            logprobs = self._logprobs(output.tokens, with_prompt=output if self.echo_text is not None else None)
+        return {"index": index, "text": (self.echo_text or "") + text, "logprobs": logprobs,
+                "finish_reason": _finish_reason(output)}
+
+    def _chunk_choice(self, delta: str, tokens: list[TokenInfo], output: RequestOutput) -> dict[str, Any]:
+        logprobs = None
+        if self.logprobs is not None and (tokens or not self._echoed):
+            logprobs = self._logprobs(tokens, with_prompt=None if self._echoed or self.echo_text is None else output)
+        if not self._echoed and self.echo_text is not None:
+            delta = self.echo_text + delta
+        self._echoed = True
+        return {"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": _finish_reason(output)}
+
+    def _logprobs(self, tokens: list[TokenInfo], with_prompt: RequestOutput | None) -> dict[str, Any]:
+        """The legacy shape: parallel lists, the top entries as {token: logprob} (the chosen token
+        included, as OpenAI's are), offsets into the returned text."""
+        texts: list[str] = []
+        token_logprobs: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        if with_prompt is not None:
+            for index, token in enumerate(with_prompt.prefill):
+                texts.append(token.text)
+                token_logprobs.append(None if token.logprob is None else finite(token.logprob))
+                tops.append(None if index == 0 else _top_dict(token.top, token.text, token.logprob))
+        for token in tokens:
+            texts.append(token.text)
+            token_logprobs.append(finite(token.logprob))
+            tops.append(_top_dict(token.top, token.text, token.logprob))
+        offsets, position = [], 0
+        for text in texts:
+            offsets.append(position)
+            position += len(text)
+        return {"tokens": texts, "token_logprobs": token_logprobs, "top_logprobs": tops,
+                "text_offset": offsets}
+
+
+def _top_dict(top: tuple[TopToken, ...], text: str, logprob: float | None) -> dict[str, float]:
+    entries = {t.text: finite(t.logprob) for t in top}
+    if logprob is not None:
+        entries.setdefault(text, finite(logprob))
+    return entries

@@ -1,0 +1,212 @@
+"""OpenAI request bodies to the engine's arguments (docs/api.md section 8).
+
+Each parameter maps onto the engine's existing semantics or is refused by name (400): OpenAI's
+defaults (temperature 1, so sampling is on), its additive presence/frequency penalties over the
+generated tokens (`penalty_counts="output"`), `n` as candidates of one prompt (`best_of`),
+`logit_bias`, `response_format`, `logprobs`/`top_logprobs`, `echo`. Errors the engine raises name
+its own fields; `wire_name` gives the name the request used.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from lora_runtime.adapters.refs import AdapterRequest
+from lora_runtime.core import SamplingParams
+from lora_runtime.errors import ValidationError
+from lora_runtime.sampling.schema import schema_from_response_format
+from server.config import ServerConfig
+from server.deployments import Deployment
+from server.openai_api.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+)
+from server.params import adapter_headers, adapter_reference, check_service_limits
+from server.protocol import GenerateParameters
+
+# OpenAI's documented defaults.
+_DEFAULT_TEMPERATURE = 1.0
+_COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+_MAX_TEMPERATURE = 2.0
+
+_CHAT_ROLES = {"system", "user", "assistant"}
+# OpenAI's newer name for the system role; chat templates know only "system".
+_ROLE_ALIASES = {"developer": "system"}
+
+
+def is_base_model(model: str | None, deployment: Deployment) -> bool:
+    """`model` names no adapter: empty, the deployment's base model, or the deployment itself."""
+    return not model or model in (deployment.base_model, deployment.name)
+
+
+def adapter_for(body: ChatCompletionRequest | CompletionRequest, deployment: Deployment,
+                tenant: str) -> tuple[AdapterRequest | None, dict[str, str]]:
+    """The adapter `model` names (None for the base model) and the `x-adapter-*` headers, through
+    the same single parser as the TGI routes' `adapter_id`."""
+    if is_base_model(body.model, deployment):
+        parameters = GenerateParameters()
+    else:
+        parameters = GenerateParameters(adapter_id=body.model, adapter_source=body.adapter_source,
+                                        api_token=body.api_token)
+    try:
+        return adapter_reference(parameters, tenant), adapter_headers(parameters)
+    except ValidationError as error:
+        raise ValidationError("model", error.message.removeprefix("adapter_id: ")) from None
+
+
+def chat_sampling_params(body: ChatCompletionRequest, config: ServerConfig) -> SamplingParams:
+    _refuse_chat_extras(body)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ValidationError("top_logprobs", "needs logprobs: true")
+    values = _common_values(body, config)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    # Unset: as many tokens as the context leaves (the engine decides, once the prompt is known),
+    # within this server's cap.
+    values["max_new_tokens"] = max_tokens if max_tokens is not None else config.max_new_tokens_limit
+    if body.logprobs:
+        values["top_logprobs"] = body.top_logprobs or 0
+    if body.response_format is not None and body.response_format.get("type") != "text":
+        values["schema"] = _response_format_schema(body.response_format)
+    values["apply_chat_template"] = True
+    return _sampling_params(values, config, bool(body.stream))
+
+
+def completion_sampling_params(body: CompletionRequest, config: ServerConfig) -> SamplingParams:
+    if body.suffix:
+        raise ValidationError("suffix", "not supported: the model has no fill-in-the-middle mode")
+    values = _common_values(body, config)
+    values["max_new_tokens"] = body.max_tokens if body.max_tokens is not None else _COMPLETIONS_DEFAULT_MAX_TOKENS
+    if body.best_of is not None:
+        if body.best_of < values.get("best_of", 1):
+            raise ValidationError("best_of", "must be >= n")
+        values["best_of"] = body.best_of
+    if body.logprobs is not None:
+        values["top_logprobs"] = body.logprobs
+    if body.echo and body.logprobs is not None:
+        # The prompt's logprobs come with it (OpenAI's echo + logprobs).
+        values["decoder_input_details"] = True
+    return _sampling_params(values, config, bool(body.stream))
+
+
+def chat_inputs(messages: list[ChatMessage]) -> str:
+    """The messages as the engine's `apply_chat_template` input: a JSON list of {role, content}."""
+    if not messages:
+        raise ValidationError("messages", "must not be empty")
+    rendered = []
+    for index, message in enumerate(messages):
+        role = _ROLE_ALIASES.get(message.role, message.role)
+        if role not in _CHAT_ROLES:
+            raise ValidationError(f"messages[{index}].role",
+                                  f"{message.role!r} is not supported (system, developer, user, assistant)")
+        if message.tool_calls or message.tool_call_id or message.function_call:
+            raise ValidationError(f"messages[{index}].tool_calls", "tool calls are not supported")
+        rendered.append({"role": role, "content": _message_text(message, index)})
+    return json.dumps(rendered)
+
+
+def completion_prompt(prompt: str | list[str] | list[int] | list[list[int]]) -> str | list[int]:
+    """One prompt, as text or token ids; a batch of several is refused."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise ValidationError("prompt", "send one prompt per request (a list of several is not supported)")
+        prompt = prompt[0]
+    if not prompt:
+        raise ValidationError("prompt", "must not be empty")
+    return prompt
+
+
+def wire_name(field: str, body: ChatCompletionRequest | CompletionRequest) -> str:
+    """The request's name for an engine field that an error names."""
+    is_chat = isinstance(body, ChatCompletionRequest)
+    if field == "max_new_tokens":
+        return "max_completion_tokens" if is_chat and body.max_completion_tokens is not None else "max_tokens"
+    if field == "best_of":
+        return "best_of" if not is_chat and body.best_of is not None else "n"
+    names = {"inputs": "messages" if is_chat else "prompt", "apply_chat_template": "messages",
+             "schema": "response_format", "decoder_input_details": "echo",
+             "top_logprobs": "top_logprobs" if is_chat else "logprobs",
+             "penalty_counts": "frequency_penalty"}
+    return names.get(field, field)
+
+
+def _common_values(body: ChatCompletionRequest | CompletionRequest, config: ServerConfig) -> dict[str, Any]:
+    temperature = _DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
+    if not 0 <= temperature <= _MAX_TEMPERATURE:
+        raise ValidationError("temperature", f"must be in [0, {_MAX_TEMPERATURE:g}]")
+    n = 1 if body.n is None else body.n
+    if n < 1:
+        raise ValidationError("n", "must be >= 1")
+    if n > 1 and temperature == 0:
+        raise ValidationError("n", "n > 1 needs sampling: temperature 0 would give n equal choices")
+    values: dict[str, Any] = {"do_sample": temperature > 0, "best_of": n}
+    if temperature not in (0, 1):
+        values["temperature"] = temperature
+    optional = {"top_p": body.top_p, "seed": body.seed, "top_k": body.top_k,
+                "repetition_penalty": body.repetition_penalty,
+                "frequency_penalty": body.frequency_penalty, "presence_penalty": body.presence_penalty}
+    values.update({name: value for name, value in optional.items() if value is not None})
+    if body.stop:
+        values["stop"] = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
+    if body.logit_bias:
+        values["logit_bias"] = _logit_bias(body.logit_bias)
+    if body.stream and n > 1:
+        raise ValidationError("n", "n > 1 is not supported when streaming")
+    return values
+
+
+def _sampling_params(values: dict[str, Any], config: ServerConfig, is_stream: bool) -> SamplingParams:
+    check_service_limits(values, config, is_stream)
+    return SamplingParams(**values)
+
+
+def _logit_bias(bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
+    pairs = []
+    for key, value in bias.items():
+        if not key.isdigit():
+            raise ValidationError("logit_bias", f"keys must be token ids, got {key!r}")
+        pairs.append((int(key), value))
+    return tuple(pairs)
+
+
+def _response_format_schema(response_format: dict[str, Any]) -> str:
+    try:
+        return schema_from_response_format(response_format)
+    except ValidationError as error:
+        raise ValidationError("response_format", error.message.removeprefix("response_format: ")) from None
+
+
+def _message_text(message: ChatMessage, index: int) -> str:
+    if message.content is None:
+        raise ValidationError(f"messages[{index}].content", "must be text")
+    if isinstance(message.content, str):
+        return message.content
+    pieces = []
+    for part in message.content:
+        if part.type != "text" or part.text is None:
+            raise ValidationError(f"messages[{index}].content",
+                                  f"content parts of type {part.type!r} are not supported (text only)")
+        pieces.append(part.text)
+    return "".join(pieces)
+
+
+def _refuse_chat_extras(body: ChatCompletionRequest) -> None:
+    """Known OpenAI parameters this server cannot honour: refused unless sent neutral."""
+    if body.tools:
+        raise ValidationError("tools", "tool calling is not supported by this server")
+    if body.tool_choice not in (None, "none", "auto"):
+        raise ValidationError("tool_choice", "tool calling is not supported by this server")
+    if body.functions or body.function_call not in (None, "none", "auto"):
+        raise ValidationError("functions" if body.functions else "function_call",
+                              "function calling is not supported by this server")
+    if body.modalities not in (None, ["text"]):
+        raise ValidationError("modalities", "only text output is supported")
+    unsupported = {"audio": "audio output", "prediction": "predicted outputs",
+                   "reasoning_effort": "reasoning (the model does not reason)",
+                   "verbosity": "verbosity (a reasoning models' setting)",
+                   "web_search_options": "web search", "moderation": "moderation"}
+    for name, what in unsupported.items():
+        if getattr(body, name) is not None:
+            raise ValidationError(name, f"{what} is not supported by this server")
+    if body.store:
+        raise ValidationError("store", "this server does not store completions")

@@ -1,0 +1,162 @@
+"""The OpenAI-compatible routes, Predibase's shape: the unmodified `openai` client works with
+`base_url = {server}/{tenant_id}/deployments/v2/llms/{deployment_name}/v1` and a bearer token as its
+API key, and `model` names the adapter (docs/api.md section 8).
+
+Token, tenant and deployment are checked as on the TGI routes; the body becomes an `EngineCall`
+and takes `server.serving`'s one path (admission, disconnects, headers, metrics). Errors have
+OpenAI's shape (`server.errors`), with the request's own parameter names.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
+
+from lora_runtime.errors import EngineError, ValidationError
+from server.auth import authorize_tenant
+from server.body import read_model
+from server.deployments import resolve_deployment
+from server.errors import ApiError, from_engine_error
+from server.openai_api.answers import ChatAnswer, CompletionAnswer
+from server.openai_api.params import (
+    adapter_for,
+    chat_inputs,
+    chat_sampling_params,
+    completion_prompt,
+    completion_sampling_params,
+    wire_name,
+)
+from server.openai_api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from server.routes.inference import PREFIX
+from server.routes.openapi import OPENAI_ERROR_RESPONSES, openai_generation_doc
+from server.serving import EngineCall, counted, serve
+from server.state import ServerState, server_state
+from server.tenancy import Deployment
+
+OPENAI_PREFIX = PREFIX + "/v1"
+router = APIRouter(tags=["openai"])
+# Far more than a tenant keeps; the list is one page, as OpenAI's.
+_MAX_LISTED_REPOS = 10_000
+
+Body = ChatCompletionRequest | CompletionRequest
+
+
+@router.get(OPENAI_PREFIX + "/models", response_model=ModelList,
+            responses={status: OPENAI_ERROR_RESPONSES[status] for status in (401, 403, 404)})
+async def list_models(request: Request, tenant_id: str, deployment_name: str) -> ModelList:
+    """The deployment's base model and every registry adapter version the tenant can use on it: all
+    its unarchived versions, since uploads are validated against this server's model (a version's
+    `baseModel` is what its PEFT config names, often a hub id rather than the deployment's name)."""
+    state = server_state(request)
+    tenant = authorize_tenant(request, state.database, tenant_id)
+    deployment = resolve_deployment(state.database, tenant, deployment_name)
+    repos = await run_in_threadpool(state.adapters.registry.list_repos, tenant, _MAX_LISTED_REPOS)
+    context = state.engine.max_model_len
+    cards = [ModelCard(id=deployment.base_model, created=0, owned_by="lora-serve",
+                       root=deployment.base_model, max_model_len=context)]
+    for repo in repos:
+        for version in repo.versions:
+            if version.archived:
+                continue
+            adapter_id = f"{version.repo}/{version.tag}"
+            cards.append(ModelCard(id=adapter_id, created=int(version.created_at.timestamp()),
+                                   owned_by=tenant, root=adapter_id, parent=deployment.base_model,
+                                   max_model_len=context))
+    return ModelList(data=cards)
+
+
+@router.post(OPENAI_PREFIX + "/chat/completions",
+             **openai_generation_doc("ChatCompletionRequest", "OpenAI chat completion; `model` names the adapter"))
+async def chat_completions(request: Request, tenant_id: str, deployment_name: str) -> Response:
+    return await _handle(request, tenant_id, deployment_name, ChatCompletionRequest, _chat_call)
+
+
+@router.post(OPENAI_PREFIX + "/completions",
+             **openai_generation_doc("CompletionRequest", "OpenAI (legacy) completion; `model` names the adapter"))
+async def completions(request: Request, tenant_id: str, deployment_name: str) -> Response:
+    return await _handle(request, tenant_id, deployment_name, CompletionRequest, _completion_call)
+
+
+CallBuilder = Callable[[Body, ServerState, Deployment, str], EngineCall]
+
+
+async def _handle(request: Request, tenant_id: str, deployment_name: str, body_type: type[Body],
+                  build: CallBuilder) -> Response:
+    state = server_state(request)
+    route = "chat_completions" if body_type is ChatCompletionRequest else "completions"
+    return await counted(state, route, _serve(request, state, tenant_id, deployment_name, body_type, build))
+
+
+async def _serve(request: Request, state: ServerState, tenant_id: str, deployment_name: str,
+                 body_type: type[Body], build: CallBuilder) -> Response:
+    received = time.monotonic()
+    tenant = authorize_tenant(request, state.database, tenant_id)
+    deployment = resolve_deployment(state.database, tenant, deployment_name)
+    body = await read_model(request, body_type, state.config.max_body_bytes)
+    return await _named_for(body, _call_and_serve(request, state, body, deployment, tenant, build, received))
+
+
+async def _call_and_serve(request: Request, state: ServerState, body: Body, deployment: Deployment,
+                          tenant: str, build: CallBuilder, received: float) -> Response:
+    try:
+        call = build(body, state, deployment, tenant)
+    except EngineError as error:
+        raise from_engine_error(error, state.config.retry_after_s) from None
+    return await serve(request, state, call, received)
+
+
+async def _named_for(body: Body, answer: Awaitable[Response]) -> Response:
+    """`answer`, its errors naming the request's parameters rather than the engine's fields."""
+    try:
+        return await answer
+    except ApiError as error:
+        if error.param is not None:
+            name = wire_name(error.param, body)
+            if error.message.startswith(error.param + ":"):
+                error.message = name + error.message[len(error.param):]
+            error.param = name
+        raise
+
+
+def _chat_call(body: ChatCompletionRequest, state: ServerState, deployment: Deployment,
+               tenant: str) -> EngineCall:
+    params = chat_sampling_params(body, state.config)
+    adapter, adapter_headers = adapter_for(body, deployment, tenant)
+    answer = ChatAnswer(_model_name(body, deployment), params, params.best_of, _include_usage(body),
+                        logprobs=bool(body.logprobs))
+    return EngineCall(prompt=chat_inputs(body.messages), params=params, adapter=adapter,
+                      is_stream=bool(body.stream), answer=answer,
+                      identity={"x-model-id": deployment.base_model, **adapter_headers})
+
+
+def _completion_call(body: CompletionRequest, state: ServerState, deployment: Deployment,
+                     tenant: str) -> EngineCall:
+    params = completion_sampling_params(body, state.config)
+    prompt = completion_prompt(body.prompt)
+    adapter, adapter_headers = adapter_for(body, deployment, tenant)
+    echo_text = None
+    if body.echo:
+        echo_text = prompt if isinstance(prompt, str) else state.engine.tokenizer.decode(prompt)
+    answer = CompletionAnswer(_model_name(body, deployment), params, body.n or 1, _include_usage(body),
+                              logprobs=body.logprobs, echo_text=echo_text)
+    return EngineCall(prompt=prompt, params=params, adapter=adapter, is_stream=bool(body.stream),
+                      answer=answer, identity={"x-model-id": deployment.base_model, **adapter_headers})
+
+
+def _model_name(body: Body, deployment: Deployment) -> str:
+    """The `model` of the answer: the request's, or the base model's when it named none."""
+    return body.model or deployment.base_model
+
+
+def _include_usage(body: Body) -> bool:
+    if body.stream_options is not None and not body.stream:
+        raise ValidationError("stream_options", "only allowed with stream: true")
+    return bool(body.stream and body.stream_options and body.stream_options.include_usage)

@@ -1,0 +1,166 @@
+"""The one path every inference route takes once it has read its request: admission, the engine,
+the client watched until the answer is complete, the `x-*` headers and the metrics.
+
+A route (the TGI/LoRAX ones, the OpenAI-compatible ones) turns its body into an `EngineCall`: the
+engine's arguments plus an `Answer`, which renders the engine's outputs in that route's wire
+format. Everything else (429/503, disconnects, keep-alives, errors before and after the first
+byte, counting) is done here once.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+
+from lora_runtime.adapters.refs import AdapterRequest
+from lora_runtime.async_engine import RequestStream
+from lora_runtime.core import RequestOutput, SamplingParams
+from lora_runtime.errors import EngineError
+from server.bridge import final_output
+from server.errors import ApiError, from_engine_error
+from server.responses import Timing, generate_headers
+from server.state import ServerState
+from server.streaming import CleanupStreamingResponse, first_output, sse_events
+
+logger = logging.getLogger(__name__)
+
+
+class Answer(Protocol):
+    """How one request's outputs look on its route's wire. A new instance per request: a stream's
+    answer remembers what it has sent."""
+
+    def complete(self, output: RequestOutput) -> Any:
+        """The JSON body of a finished request."""
+
+    def stream_payloads(self, output: RequestOutput) -> list[dict[str, Any]]:
+        """The events for what `output` adds to the previous one (outputs are cumulative)."""
+
+    def error_payload(self, error: ApiError) -> dict[str, Any]:
+        """The event of a failure after the first byte."""
+
+    def stream_end(self) -> list[bytes]:
+        """Raw bytes sent after the last event (after an error event too)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCall:
+    """A request as the engine takes it, and how to answer it."""
+
+    prompt: str | list[int]
+    params: SamplingParams
+    adapter: AdapterRequest | None
+    is_stream: bool
+    answer: Answer
+    identity: dict[str, str]  # x-model-id, x-adapter-id, x-adapter-source
+
+
+async def counted(state: ServerState, route: str, serve: Awaitable[Response]) -> Response:
+    """`serve`'s response, counted by route and status (refusals included)."""
+    try:
+        response = await serve
+    except ApiError as error:
+        state.metrics.requests.labels(route, str(error.status_code)).inc()
+        raise
+    state.metrics.requests.labels(route, str(response.status_code)).inc()
+    return response
+
+
+async def serve(request: Request, state: ServerState, call: EngineCall, received: float) -> Response:
+    """Admit `call`, run it and answer: the whole body, or SSE. Engine errors raised before the
+    first byte become their HTTP status; the request's adapter versions are read here, once."""
+    try:
+        adapter = await run_in_threadpool(state.adapters.with_current_versions, call.adapter)
+        release = state.admission.acquire()
+        is_owned_by_response = False
+        try:
+            stream = await state.async_engine.add_request(call.prompt, call.params, adapter=adapter)
+            timing = Timing(received, time.monotonic())
+            if not call.is_stream:
+                return await _complete(request, stream, call, state, timing)
+            response = await _stream_response(request, stream, call, state, timing, release)
+            is_owned_by_response = True
+            return response
+        finally:
+            if not is_owned_by_response:
+                release()
+    except EngineError as error:
+        raise from_engine_error(error, state.config.retry_after_s) from None
+
+
+async def _stream_response(request: Request, stream: RequestStream, call: EngineCall,
+                           state: ServerState, timing: Timing, release: Callable[[], None]) -> Response:
+    """SSE once the first output is in (or `keepalive_s` passed), so that early failures still
+    get their own status; from then on the response owns the slot and the stream."""
+    async def on_close() -> None:
+        try:
+            if await stream.abort():  # the stream had not ended: its client left
+                _observe_disconnect(request, stream, call, state, timing)
+        finally:
+            release()
+
+    try:
+        first = await first_output(stream, request, state.config.keepalive_s)
+    except BaseException:
+        await on_close()
+        raise
+    if first is None:
+        await on_close()
+        return _client_closed()
+    events = sse_events(stream, first, call.answer, state.config.keepalive_s,
+                        on_final=lambda output: _observe(state, call, output, timing),
+                        to_api_error=lambda error: output_error(error, state))
+    return CleanupStreamingResponse(events, on_close, call.identity)
+
+
+async def _complete(request: Request, stream: RequestStream, call: EngineCall, state: ServerState,
+                    timing: Timing) -> Response:
+    output = await final_output(stream, request)
+    if output is None:
+        _observe_disconnect(request, stream, call, state, timing)
+        return _client_closed()
+    if output.error is not None:
+        raise output_error(output.error, state)
+    headers = generate_headers(output, timing, call.identity)
+    _observe(state, call, output, timing)
+    return JSONResponse(call.answer.complete(output), headers=headers)
+
+
+def output_error(error: Exception, state: ServerState) -> ApiError:
+    """The HTTP form of a failure of an accepted request."""
+    if isinstance(error, ApiError):
+        return error
+    if isinstance(error, EngineError):
+        return from_engine_error(error, state.config.retry_after_s)
+    return ApiError(500, "incomplete_generation", f"the engine failed the request: {error}")
+
+
+def _client_closed() -> Response:
+    """The answer to a client that left: nobody reads it; 499 (client closed request) keeps the logs
+    and the request metrics honest."""
+    return Response(status_code=499)
+
+
+def _observe_disconnect(request: Request, stream: RequestStream, call: EngineCall, state: ServerState,
+                        timing: Timing) -> None:
+    """One account of a request aborted because its client left, streamed or not: counted, logged,
+    and its tokens counted as generated (the engine did the work)."""
+    num_generated = stream.num_generated_tokens
+    logger.info("client disconnected; request aborted: %s %s after %.2f s and %d generated tokens",
+                request.url.path, stream.request_id, time.monotonic() - timing.received, num_generated)
+    state.metrics.observe_disconnect(num_generated)
+    state.metrics.observe_adapter_request(call.adapter, num_generated)
+
+
+def _observe(state: ServerState, call: EngineCall, output: RequestOutput, timing: Timing) -> None:
+    times = output.times
+    total_s = time.monotonic() - timing.received
+    first_token_s = times.first_token - timing.received if times and times.first_token else None
+    num_generated = len(output.token_ids) + sum(len(o.token_ids) for o in output.best_of_sequences)
+    state.metrics.observe_finished(len(output.prompt_token_ids), num_generated, total_s, first_token_s)
+    state.metrics.observe_adapter_request(call.adapter, num_generated)

@@ -55,3 +55,9 @@ def make_request(request_id: str, num_prompt_tokens: int, max_new_tokens: int = 
         params=SamplingParams(max_new_tokens=max_new_tokens),
         adapter_key=adapter_key,
     )
+
+
+def chat(engine, question: str) -> str:
+    """`question` as one user message in the model's chat template, with the generation prompt."""
+    messages = [{"role": "user", "content": question}]
+    return engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -11,18 +11,9 @@ import jsonschema
 import pytest
 import torch
 
-from lora_runtime import Engine, EngineConfig, SamplingParams, ValidationError
+from lora_runtime import Engine, SamplingParams, ValidationError
 from lora_runtime.sampling import detect_watermark
-
-
-@pytest.fixture(scope="module")
-def engine(embedded_model_dir) -> Engine:
-    return Engine.from_config(EngineConfig(dtype="float32"))
-
-
-def chat(engine: Engine, question: str) -> str:
-    messages = [{"role": "user", "content": question}]
-    return engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+from tests.engine.factories import chat
 
 
 def test_seeded_request_gives_the_same_tokens_alone_and_in_different_batches(engine) -> None:

@@ -7,17 +7,8 @@ import re
 import pytest
 import torch
 
-from lora_runtime import Engine, EngineConfig, SamplingParams, ValidationError
-
-
-@pytest.fixture(scope="module")
-def engine(embedded_model_dir) -> Engine:
-    return Engine.from_config(EngineConfig(dtype="float32"))
-
-
-def chat(engine: Engine, question: str) -> str:
-    messages = [{"role": "user", "content": question}]
-    return engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+from lora_runtime import SamplingParams, ValidationError
+from tests.engine.factories import chat
 
 
 def _hf_log_softmax(hf_model, token_ids: list[int]) -> torch.Tensor:

@@ -48,6 +48,14 @@ class EngineStats:
     num_free_adapter_pages: int  # in the fullest module's pool: what the next adapter can take
     num_total_adapter_pages: int
     max_resident_adapters: int  # the pool's capacity at the largest allowed rank: sure to fit at once
+    # Prefix caching, counted since the start: requests and prompt tokens looked up, and found cached
+    # (hit rates: hit / queried); full blocks cached now; cached blocks evicted to make room.
+    prefix_cache_queried_requests: int
+    prefix_cache_hit_requests: int
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    num_cached_kv_blocks: int
+    num_evicted_kv_blocks: int
     # The distinct adapters of the running and of the waiting requests, as the counts above.
     running_adapters: tuple[AdapterKey, ...]
     waiting_adapters: tuple[AdapterKey, ...]
@@ -202,6 +210,7 @@ class AsyncEngine:
         """Safe from any thread: sizes only (each read atomic), and what the loop thread and
         `add_request` last published whole."""
         scheduler, kv_cache = self.engine.scheduler, self.engine.kv_cache
+        prefix = kv_cache.prefix_stats
         cached = self.engine.adapters.host.snapshot()  # (key, bytes, pins) per entry
         pages = self.engine.adapters.pages
         queues, pending = self._queues, self._pending
@@ -223,6 +232,12 @@ class AsyncEngine:
             num_free_adapter_pages=min(pages.num_free_pages.values()),
             num_total_adapter_pages=pages.num_pages,
             max_resident_adapters=pages.capacity_for_rank(self.engine.adapters.config.max_rank),
+            prefix_cache_queried_requests=prefix.num_queried_requests,
+            prefix_cache_hit_requests=prefix.num_hit_requests,
+            prefix_cache_queried_tokens=prefix.num_queried_tokens,
+            prefix_cache_hit_tokens=prefix.num_hit_tokens,
+            num_cached_kv_blocks=kv_cache.allocator.num_cached_blocks,
+            num_evicted_kv_blocks=kv_cache.allocator.num_evictions,
             running_adapters=queues.running_adapters,
             waiting_adapters=tuple(dict.fromkeys((*queues.waiting_adapters, *pending_adapters))),
         )

@@ -10,11 +10,16 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 @dataclass(frozen=True, slots=True)
 class KVCacheConfig:
-    """Paged KV cache capacity: `num_blocks` wins when given, else `memory_bytes` is divided into blocks."""
+    """Paged KV cache capacity: `num_blocks` wins when given, else `memory_bytes` is divided into blocks.
+
+    `enable_prefix_caching`: full blocks stay reusable after their request ends, found by a hash chain
+    of their tokens and the adapter identity, so a request sharing a prefix with an earlier one (same
+    adapter, same weights) computes only the rest (`lora_runtime/prefix_cache.py`)."""
 
     block_size_tokens: int = 16
     num_blocks: int | None = None
     memory_bytes: int = 512 * 1024 * 1024
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         assert self.block_size_tokens > 0, "block_size_tokens must be positive"

@@ -224,6 +224,7 @@ class RequestOutput:
     best_of_sequences: list["RequestOutput"] = field(default_factory=list)
     times: RequestTimes | None = None
     error: Exception | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
 
 @dataclass(slots=True, eq=False)
@@ -244,6 +245,11 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     arrival_order: int = 0
+    # Prefix caching (lora_runtime/prefix_cache.py): the root of the block chain, set when first
+    # needed; the hashes of the full blocks so far; the prompt tokens the first admission found cached.
+    kv_identity: bytes | None = None
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -28,6 +28,7 @@ from lora_runtime.errors import EngineError, ValidationError
 from lora_runtime.kv_cache import KVCacheManager
 from lora_runtime.loader import load_model
 from lora_runtime.model_runner import ModelRunner, ModelRunnerOutput
+from lora_runtime.prefix_cache import kv_identity
 from lora_runtime.models.llama import LlamaModel
 from lora_runtime.request_state import RequestState
 from lora_runtime.sampling.sampler import Sampler, TokenizerInfo, TopPairs, top_tokens
@@ -51,10 +52,11 @@ class Engine:
         self.tokenizer = tokenizer
         self.model = model
         num_blocks = _num_kv_blocks(config, model)
-        self.kv_cache = KVCacheManager(num_blocks, config.kv_cache.block_size_tokens)
+        self.kv_cache = KVCacheManager(num_blocks, config.kv_cache.block_size_tokens,
+                                       config.kv_cache.enable_prefix_caching)
         base_shape = BaseModelShape(model_name, model.shape.num_layers, model.shape.module_dims())
         self.adapters = AdapterManager(config.adapters, base_shape, model.backend, model.dtype, adapter_sources)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.adapters.pages)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.adapters.pages, self._kv_identity)
         self.runner = ModelRunner(model, self.kv_cache, num_blocks, config.device, self.adapters)
         self.sampler = Sampler()
         self.tokenizer_info = TokenizerInfo(tokenizer, model.shape.vocab_size, _eos_token_ids(tokenizer, model_name))
@@ -137,6 +139,13 @@ class Engine:
             self._group_of[request_id] = BestOfGroup(state)
         self.scheduler.add_request(request)
         return request_id
+
+    def _kv_identity(self, request: Request) -> bytes:
+        """The root of the request's KV block chain: its adapter's key and the load its weights came
+        from (the scheduler asks once the adapter is loaded)."""
+        lease = self._leases.get(request.request_id)
+        load_serial = lease.load.result().load_serial if lease is not None else None
+        return kv_identity(request.adapter_key, load_serial)
 
     def _chat_template(self, params: SamplingParams, lease: Lease | None) -> str | None:
         """The adapter's own chat template for apply_chat_template: this waits for the adapter to
@@ -271,7 +280,8 @@ class Engine:
         children = []
         for index in range(1, group.num_candidates):
             request = Request(group.candidate_id(index), first.request.prompt_token_ids, first.request.params,
-                              adapter_key=first.request.adapter_key)
+                              adapter_key=first.request.adapter_key,
+                              num_cached_tokens=first.request.num_cached_tokens)
             child = RequestState(request, first.prompt, self.tokenizer_info, candidate_index=index)
             self._states[request.request_id] = child
             self._group_of[request.request_id] = group

@@ -1,44 +1,102 @@
 """Paged KV cache bookkeeping: a block allocator and per-request block tables. No tensors here:
-the model runner owns the cache tensors; this module decides which block holds which tokens."""
+the model runner owns the cache tensors; this module decides which block holds which tokens.
+
+With prefix caching, a full block is registered under its hash (`lora_runtime.prefix_cache`) once
+its K/V are computed; when its last reference goes it stays cached (evictable) instead of free, and a
+later request whose prefix hashes alike takes it back. Allocation takes free blocks first, then
+evicts the least recently released cached ones. One reference count serves requests sharing a
+cached prefix and best_of forks sharing their prompt alike.
+"""
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 
 class BlockAllocator:
-    """Fixed pool of block ids with reference counts (blocks may be shared, e.g. by best_of forks)."""
+    """Fixed pool of block ids with reference counts (blocks may be shared: best_of forks, prefixes),
+    and the cached blocks: hash <-> block for full blocks, kept after release until evicted."""
 
     def __init__(self, num_blocks: int) -> None:
         assert num_blocks > 0
         self.num_blocks = num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._ref_counts = [0] * num_blocks
+        self._hash_of: dict[int, bytes] = {}
+        self._block_of: dict[bytes, int] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced: oldest first
+        self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks `allocate` can hand out: free ones and cached ones no request holds."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._block_of)
 
     def allocate(self, count: int) -> list[int]:
-        """Take `count` blocks; the caller has checked `num_free_blocks` first."""
-        assert count <= len(self._free), "allocate() called without enough free blocks"
-        block_ids = [self._free.popleft() for _ in range(count)]
-        for block_id in block_ids:
+        """Take `count` blocks, free ones first, then the least recently released cached ones (their
+        hashes forgotten); the caller has checked `num_free_blocks` first."""
+        assert count <= self.num_free_blocks, "allocate() called without enough free blocks"
+        block_ids = []
+        for _ in range(count):
+            block_id = self._free.popleft() if self._free else self._evict()
             self._ref_counts[block_id] = 1
+            block_ids.append(block_id)
         return block_ids
 
-    def share(self, block_ids: list[int]) -> None:
+    def _evict(self) -> int:
+        block_id, _ = self._evictable.popitem(last=False)
+        del self._block_of[self._hash_of.pop(block_id)]
+        self.num_evictions += 1
+        return block_id
+
+    def share(self, block_ids: Sequence[int]) -> None:
         """Add one reference to each block (a second request now reads it too)."""
         for block_id in block_ids:
             assert self._ref_counts[block_id] > 0, "sharing a free block"
             self._ref_counts[block_id] += 1
 
-    def release(self, block_ids: list[int]) -> None:
-        """Drop one reference from each block; a block returns to the pool at zero."""
+    def release(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference from each block; at zero a cached block waits for reuse or eviction,
+        any other returns to the pool."""
         for block_id in block_ids:
             assert self._ref_counts[block_id] > 0, "releasing a free block"
             self._ref_counts[block_id] -= 1
             if self._ref_counts[block_id] == 0:
-                self._free.append(block_id)
+                if block_id in self._hash_of:
+                    self._evictable[block_id] = None
+                else:
+                    self._free.append(block_id)
+
+    def cached_block(self, block_hash: bytes) -> int | None:
+        return self._block_of.get(block_hash)
+
+    def take_cached(self, block_id: int) -> None:
+        """One more reference to a cached block, which stops being evictable."""
+        self._evictable.pop(block_id, None)
+        self._ref_counts[block_id] += 1
+
+    def register(self, block_id: int, block_hash: bytes) -> None:
+        """Cache a held, full block under its hash; a hash already cached keeps its first block (two
+        requests computed the same prefix at once), and this one is freed as usual."""
+        assert self._ref_counts[block_id] > 0, "registering a free block"
+        if block_hash not in self._block_of and block_id not in self._hash_of:
+            self._block_of[block_hash] = block_id
+            self._hash_of[block_id] = block_hash
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Counts since the start: the requests and tokens looked up in the cache, and what was found."""
+
+    num_queried_requests: int = 0
+    num_hit_requests: int = 0
+    num_queried_tokens: int = 0
+    num_hit_tokens: int = 0
 
 
 class KVCacheManager:
@@ -48,10 +106,13 @@ class KVCacheManager:
     once `allocate_slots` has been called for them.
     """
 
-    def __init__(self, num_blocks: int, block_size_tokens: int) -> None:
+    def __init__(self, num_blocks: int, block_size_tokens: int, enable_prefix_caching: bool = False) -> None:
         self.block_size_tokens = block_size_tokens
+        self.enable_prefix_caching = enable_prefix_caching
         self.allocator = BlockAllocator(num_blocks)
+        self.prefix_stats = PrefixCacheStats()
         self._block_tables: dict[str, list[int]] = {}
+        self._num_registered: dict[str, int] = {}  # leading blocks of each table already cached
 
     @property
     def num_free_blocks(self) -> int:
@@ -76,6 +137,37 @@ class KVCacheManager:
         table.extend(self.allocator.allocate(needed))
         return True
 
+    def match_prefix(self, request_id: str, block_hashes: Sequence[bytes], num_tokens: int) -> int:
+        """Give a request that holds no blocks the longest run of cached blocks that starts its
+        `block_hashes`; returns how many. `num_tokens` is its length, for the hit-rate counts."""
+        assert request_id not in self._block_tables, "a prefix is matched before any block is allocated"
+        matched = []
+        for block_hash in block_hashes:
+            block_id = self.allocator.cached_block(block_hash)
+            if block_id is None:
+                break
+            self.allocator.take_cached(block_id)
+            matched.append(block_id)
+        if matched:
+            self._block_tables[request_id] = matched
+            self._num_registered[request_id] = len(matched)
+        stats = self.prefix_stats
+        stats.num_queried_requests += 1
+        stats.num_queried_tokens += num_tokens
+        stats.num_hit_requests += bool(matched)
+        stats.num_hit_tokens += len(matched) * self.block_size_tokens
+        return len(matched)
+
+    def num_registered_blocks(self, request_id: str) -> int:
+        return self._num_registered.get(request_id, 0)
+
+    def register_full_blocks(self, request_id: str, block_hashes: Sequence[bytes]) -> None:
+        """Cache the request's leading blocks under `block_hashes` (their K/V are computed)."""
+        table = self._block_tables[request_id]
+        for index in range(self.num_registered_blocks(request_id), len(block_hashes)):
+            self.allocator.register(table[index], block_hashes[index])
+        self._num_registered[request_id] = len(block_hashes)
+
     def fork(self, parent_id: str, child_id: str, num_shared_tokens: int) -> None:
         """Give `child_id` the parent's full blocks covering `num_shared_tokens` (shared, read-only)."""
         num_full = num_shared_tokens // self.block_size_tokens
@@ -88,6 +180,7 @@ class KVCacheManager:
 
     def free(self, request_id: str) -> None:
         """Release every block of the request (finish, abort or preemption). Idempotent."""
+        self._num_registered.pop(request_id, None)
         table = self._block_tables.pop(request_id, None)
         if table:
             self.allocator.release(table)

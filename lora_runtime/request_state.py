@@ -91,4 +91,5 @@ class RequestState:
             seed=self.sampling.seed,
             times=self.times,
             error=self.error,
+            num_cached_tokens=request.num_cached_tokens,
         )

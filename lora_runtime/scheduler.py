@@ -16,6 +16,7 @@ touches no tensors and can be tested with no model.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from lora_runtime.adapters.pages import AdapterPagePool, AdapterPlacement
@@ -23,6 +24,7 @@ from lora_runtime.adapters.refs import AdapterKey
 from lora_runtime.config import SchedulerConfig
 from lora_runtime.core import Request, RequestStatus
 from lora_runtime.kv_cache import KVCacheManager
+from lora_runtime.prefix_cache import extend_block_hashes, kv_identity
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,10 +114,14 @@ class Scheduler:
     beside the running requests' adapters, are passed over (others keep being served)."""
 
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
-                 adapter_pages: AdapterPagePool | None = None) -> None:
+                 adapter_pages: AdapterPagePool | None = None,
+                 identity_of: Callable[[Request], bytes] = lambda request: kv_identity(request.adapter_key, None)) -> None:
+        """`identity_of`: the root of a request's block chain for prefix caching (the engine's
+        includes the load of the adapter's weights)."""
         self.config = config
         self.kv_cache = kv_cache
         self.adapter_pages = adapter_pages
+        self._identity_of = identity_of
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._waited_steps: dict[str, int] = {}
@@ -204,8 +210,7 @@ class Scheduler:
             if key is not None and not self._adapters().is_loaded(key):
                 passed_over.append(request)  # still loading: waiting longer is not the scheduler's doing
                 continue
-            num_new = budget.num_tokens_for(request)
-            if num_new == 0:
+            if budget.num_tokens_for(request) == 0:
                 passed_over.append(request)
                 break  # out of work: admitting later arrivals first would break FCFS
             if key is not None and not self._adapters().reserve(key):
@@ -213,11 +218,16 @@ class Scheduler:
                 if self._is_overdue(request):
                     break  # strict FCFS from here on, so the running adapters drain and this one fits
                 continue  # its pages are held by running adapters: later requests of resident ones go on
-            if not self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
+            self._start_after_cached_prefix(request)
+            num_new = budget.num_tokens_for(request)
+            if num_new == 0 or not self.kv_cache.allocate_slots(request.request_id,
+                                                                request.num_computed_tokens + num_new):
                 if key is not None:
                     self._adapters().release(key)
+                self.kv_cache.free(request.request_id)  # the cached prefix it took, if any
+                request.num_computed_tokens = 0
                 passed_over.append(request)
-                break  # out of blocks: admitting later arrivals first would break FCFS
+                break  # out of work or blocks: admitting later arrivals first would break FCFS
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._waited_steps.pop(request.request_id, None)
@@ -226,6 +236,27 @@ class Scheduler:
         for request in passed_over:
             self._waited_steps[request.request_id] = self._waited_steps.get(request.request_id, 0) + 1
         self.waiting.extendleft(reversed(passed_over))
+
+    def _start_after_cached_prefix(self, request: Request) -> None:
+        """A request about to start (or restart after preemption) takes the longest run of its full
+        blocks already cached, and computes only the rest. Its last token is always computed: its
+        logits are what the next token is drawn from. A request that wants its prompt's logprobs
+        computes every position."""
+        if not self.kv_cache.enable_prefix_caching or request.num_computed_tokens or request.params.decoder_input_details:
+            return
+        num_blocks = (request.num_tokens - 1) // self.kv_cache.block_size_tokens
+        num_hit = self.kv_cache.match_prefix(request.request_id, self._block_hashes(request, num_blocks),
+                                             request.num_tokens)
+        request.num_computed_tokens = num_hit * self.kv_cache.block_size_tokens
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = request.num_computed_tokens
+
+    def _block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
+        if request.kv_identity is None:
+            request.kv_identity = self._identity_of(request)
+        extend_block_hashes(request.block_hashes, request.kv_identity, request.all_token_ids, num_blocks,
+                            self.kv_cache.block_size_tokens)
+        return request.block_hashes[:num_blocks]
 
     def _is_overdue(self, request: Request) -> bool:
         return self._waited_steps.get(request.request_id, 0) >= self.config.max_wait_steps_before_priority
@@ -251,7 +282,11 @@ class Scheduler:
     def update_after_step(self, output: SchedulerOutput) -> None:
         """Record that the step's tokens are now in the cache."""
         for item in output.scheduled:
-            item.request.num_computed_tokens += item.num_new_tokens
+            request = item.request
+            request.num_computed_tokens += item.num_new_tokens
+            num_full = request.num_computed_tokens // self.kv_cache.block_size_tokens
+            if self.kv_cache.enable_prefix_caching and num_full > self.kv_cache.num_registered_blocks(request.request_id):
+                self.kv_cache.register_full_blocks(request.request_id, self._block_hashes(request, num_full))
 
     def finish(self, request: Request, status: RequestStatus = RequestStatus.FINISHED) -> None:
         """Remove a request (finished or aborted) wherever it is and free its blocks (and, if it was

@@ -41,6 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None, help="model directory (default: the embedded model)")
     parser.add_argument("--dtype", default=None, help="model dtype, e.g. float32 or bfloat16")
     parser.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda")
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        help="compute every prompt in full instead of reusing the K/V of a cached prefix")
     parser.add_argument("--max-in-flight", type=int, default=_DEFAULTS.max_in_flight)
     parser.add_argument("--max-body-bytes", type=int, default=_DEFAULTS.max_body_bytes)
     parser.add_argument("--shutdown-deadline", type=float, default=_DEFAULTS.shutdown_deadline_s)
@@ -118,7 +120,7 @@ def _ensure_demo_tenant(database: Database, data_dir: Path) -> str | None:
 
 def _serve(args: argparse.Namespace, config: ServerConfig, database: Database) -> None:
     from lora_runtime import Engine, EngineConfig
-    from lora_runtime.config import AdapterConfig
+    from lora_runtime.config import AdapterConfig, KVCacheConfig
     from server.adapter_sources import adapter_services, engine_adapter_sources
     from server.app import DrainingServer, create_app
     from server.demo import register_demo_adapters
@@ -135,7 +137,8 @@ def _serve(args: argparse.Namespace, config: ServerConfig, database: Database) -
     memory = (("device_pool_bytes", args.adapter_pool_mib), ("host_cache_bytes", args.adapter_host_cache_mib))
     adapter_memory = {key: mib * 2**20 for key, mib in memory if mib is not None}
     adapter_config = AdapterConfig(**adapter_memory, allow_local_paths=False)
-    engine_config = EngineConfig(**engine_options, adapters=adapter_config)
+    kv_cache = KVCacheConfig(enable_prefix_caching=not args.no_prefix_caching)
+    engine_config = EngineConfig(**engine_options, adapters=adapter_config, kv_cache=kv_cache)
     engine = Engine.from_config(engine_config, adapter_sources=engine_adapter_sources(config, database))
     private = read_deployments_file(config.deployments_file) if config.deployments_file else []
     register_deployments(database, [engine.model_name], private)

@@ -167,6 +167,7 @@ def generate_headers(output: RequestOutput, timing: Timing, identity: dict[str, 
     inference_s = finished - scheduled
     return {
         "x-prompt-tokens": str(num_prompt),
+        "x-prompt-cached-tokens": str(output.num_cached_tokens),
         "x-generated-tokens": str(num_generated),
         "x-total-tokens": str(num_prompt + num_generated),
         "x-total-time": _ms(finished - timing.received),

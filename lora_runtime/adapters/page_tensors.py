@@ -12,7 +12,8 @@ another is."""
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,6 +44,9 @@ def bytes_per_page(base_shape: BaseModelShape, dtype: torch.dtype) -> int:
     return base_shape.num_layers * widths * PAGE_ROWS * dtype.itemsize
 
 
+_LOAD_SERIALS = itertools.count()
+
+
 @dataclass(frozen=True, slots=True)
 class HostAdapter:
     """An adapter as the host tier keeps it: each adapted module's pages in the device layout
@@ -52,6 +56,9 @@ class HostAdapter:
     tiles: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
     module_ranks: Mapping[str, int]
     chat_template: str | None
+    # New for every load: the KV prefix cache keys K/V by it, so weights read again under the same
+    # key (a hub branch or an S3 prefix that moved meanwhile) never meet K/V of the old ones.
+    load_serial: int = field(default_factory=lambda: next(_LOAD_SERIALS), compare=False)
 
     @property
     def num_bytes(self) -> int:

@@ -49,7 +49,8 @@ def _choices(output: RequestOutput, n: int) -> list[RequestOutput]:
 def _usage(output: RequestOutput, choices: list[RequestOutput]) -> dict[str, int]:
     prompt = len(output.prompt_token_ids)
     completion = sum(len(choice.token_ids) for choice in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens}}
 
 
 def _token_bytes(text: str) -> list[int]:

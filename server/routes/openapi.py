@@ -31,7 +31,8 @@ _INT_HEADER = {"schema": {"type": "string", "pattern": "^[0-9]+$"}}
 _MS_HEADER = {"schema": {"type": "string", "pattern": "^[0-9]+(\\.[0-9]+)?$"}}
 _TEXT_HEADER = {"schema": {"type": "string"}}
 GENERATE_HEADERS = {
-    **{name: _INT_HEADER for name in ("x-prompt-tokens", "x-generated-tokens", "x-total-tokens")},
+    **{name: _INT_HEADER for name in ("x-prompt-tokens", "x-prompt-cached-tokens", "x-generated-tokens",
+                                      "x-total-tokens")},
     **{name: _MS_HEADER for name in ("x-total-time", "x-time-per-token", "x-queue-time",
                                      "x-time-to-first-token", "x-validation-time",
                                      "x-inference-time")},

@@ -103,7 +103,9 @@ def test_streams_equal_the_whole_answers_and_report_usage(live) -> None:
     assert text == whole.choices[0].message.content
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finishes == [whole.choices[0].finish_reason]
-    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == []
+    assert (usage.prompt_tokens, usage.completion_tokens) == (whole.usage.prompt_tokens, whole.usage.completion_tokens)
     assert all(c.usage is None for c in chunks[:-1])
 
     streamed = list(client.completions.create(model="", prompt=PROMPT, temperature=0, max_tokens=6,
@@ -278,3 +280,20 @@ def test_openai_requests_count_in_the_same_metrics_as_the_tgi_routes(live) -> No
     _tgi(live, PROMPT, max_new_tokens=2, adapter_id="shout/1")
     after = _adapter_requests(live)
     assert after[("demo", "shout/1")] == before.get(("demo", "shout/1"), 0) + 2
+
+
+def test_cached_prompt_tokens_are_reported_in_usage_and_headers(live) -> None:
+    system = {"role": "system", "content": "You answer questions about the tides of Brittany. " * 20}
+    messages = [system, {"role": "user", "content": "When is high tide?"}]
+    client = _client(live)
+    first = client.chat.completions.create(model="french/1", messages=messages, temperature=0, max_tokens=3)
+    second = client.chat.completions.with_raw_response.create(model="french/1", messages=messages,
+                                                               temperature=0, max_tokens=3)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.parse().usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens - 16 <= cached < first.usage.prompt_tokens
+    assert second.headers["x-prompt-cached-tokens"] == str(cached)
+    assert second.parse().choices[0].message.content == first.choices[0].message.content
+    # Another adapter's request with the same messages finds nothing cached.
+    other = client.chat.completions.create(model="shout/1", messages=messages, temperature=0, max_tokens=3)
+    assert other.usage.prompt_tokens_details.cached_tokens == 0

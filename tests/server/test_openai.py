@@ -6,6 +6,7 @@ for structured output, and the client's own typed exceptions for errors."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import httpx
 import jsonschema
@@ -297,3 +298,25 @@ def test_cached_prompt_tokens_are_reported_in_usage_and_headers(live) -> None:
     # Another adapter's request with the same messages finds nothing cached.
     other = client.chat.completions.create(model="shout/1", messages=messages, temperature=0, max_tokens=3)
     assert other.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_a_replaced_pbase_version_never_reuses_the_old_kv(live, tmp_path) -> None:
+    registry = live.state.adapters.registry
+    messages = [{"role": "system", "content": "You describe the lighthouses of Finistere. " * 20},
+                {"role": "user", "content": "Which is the tallest?"}]
+
+    def register(demo_adapter: str) -> None:
+        copy = tmp_path / demo_adapter  # the registry edits its input: a copy
+        shutil.copytree(DEFAULT_DEMO_ADAPTERS_DIR / demo_adapter, copy, ignore=shutil.ignore_patterns("README*"))
+        assert registry.create_version("demo", "demo", "swap", copy).tag == 1
+
+    def ask():
+        return _client(live).chat.completions.create(model="swap/1", messages=messages, temperature=0, max_tokens=4)
+
+    register("french")
+    ask()
+    assert ask().usage.prompt_tokens_details.cached_tokens > 0
+    registry.delete_repo("demo", "swap")
+    register("shout")  # the same id, `swap/1`, now another blob
+    replaced = ask()
+    assert replaced.usage.prompt_tokens_details.cached_tokens == 0

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.adapter_sources import cold_load_latencies
-from benchmarks.engine import make_prompts, median_of_interleaved
+from benchmarks.engine import NO_PREFIX_CACHE, make_prompts, median_of_interleaved
 from benchmarks.instruction_peak import instruction_peak
 from benchmarks.peft_baseline import RANKS, make_random_adapters
 from benchmarks.roofline import floor_seconds, measure_rates, model_costs
@@ -175,7 +175,7 @@ def main(argv=None) -> dict:
     rss_before_registry = rss_mib()
     registry = make_registry(model_dir, max(args.counts), args.num_templates)
     config = EngineConfig(
-        dtype=args.dtype, scheduler=SchedulerConfig(max_num_seqs=args.num_requests),
+        dtype=args.dtype, scheduler=SchedulerConfig(max_num_seqs=args.num_requests), kv_cache=NO_PREFIX_CACHE,
         adapters=AdapterConfig(device_pool_bytes=int(args.device_pool_gib * GIB), host_cache_bytes=int(args.host_cache_gib * GIB)),
     )
     engine = Engine.from_config(config)

@@ -30,10 +30,14 @@ from benchmarks.roofline import workload_floor
 from benchmarks.timing import Timer, peak_rss_mib
 from kernels import cpu_ops
 from lora_runtime import Engine, EngineConfig, SamplingParams
-from lora_runtime.config import SchedulerConfig
+from lora_runtime.config import KVCacheConfig, SchedulerConfig
 from lora_runtime.embedded import default_cache_dir, ensure_embedded_model
 
 logger = logging.getLogger("benchmarks.engine")
+# The throughput benchmarks run the same prompts again and again (repeats, interleaved systems): the
+# prefix cache would serve later runs from earlier ones, so they measure with it off
+# (`benchmarks.prefix` measures the cache).
+NO_PREFIX_CACHE = KVCacheConfig(enable_prefix_caching=False)
 
 # The throughput goals of the engine issues, as multiples of the baseline measured in the same run.
 GOAL_VS_HF = 5.0
@@ -132,7 +136,8 @@ def main(argv=None) -> dict:
 
 def run(args: argparse.Namespace) -> dict:
     model_dir = ensure_embedded_model()
-    engine = Engine.from_config(EngineConfig(dtype=args.dtype, scheduler=SchedulerConfig(max_num_seqs=args.num_requests)))
+    engine = Engine.from_config(EngineConfig(dtype=args.dtype, scheduler=SchedulerConfig(max_num_seqs=args.num_requests),
+                                             kv_cache=NO_PREFIX_CACHE))
     prompts = make_prompts(engine.tokenizer, args.num_requests)
     pad_id = engine.tokenizer.eos_token_id
     dtype = engine.model.dtype

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import llama_cpp
-from benchmarks.engine import make_prompts, median_of_interleaved, run_ours
+from benchmarks.engine import NO_PREFIX_CACHE, make_prompts, median_of_interleaved, run_ours
 from benchmarks.peft_baseline import make_random_adapters, run_peft
 from lora_runtime import Engine, EngineConfig
 from lora_runtime.config import SchedulerConfig
@@ -202,7 +202,8 @@ def main(argv: list[str] | None = None) -> dict:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the figures
     torch.set_num_threads(args.threads)
     model_dir = ensure_embedded_model()
-    engine = Engine.from_config(EngineConfig(scheduler=SchedulerConfig(max_num_seqs=args.num_requests)))
+    engine = Engine.from_config(EngineConfig(scheduler=SchedulerConfig(max_num_seqs=args.num_requests),
+                                             kv_cache=NO_PREFIX_CACHE))
     paths = make_random_adapters(model_dir, default_cache_dir() / "bench-adapters", args.adapters, TARGETS)
     workload = Workload(make_prompts(engine.tokenizer, args.num_requests), paths,
                         [i % args.adapters for i in range(args.num_requests)], args.new_tokens)

@@ -11,12 +11,7 @@ import json
 from typing import Any
 
 from lora_runtime.adapters.merge import MergedAdapters
-from lora_runtime.adapters.refs import (
-    AdapterRef,
-    AdapterRequest,
-    Caller,
-    parse_adapter_ref,
-)
+from lora_runtime.adapters.refs import AdapterRef, AdapterRequest, Caller, parse_adapter_ref
 from lora_runtime.adapters.sources.ids import infer_source
 from lora_runtime.core import MAX_TOP_LOGPROBS, SamplingParams
 from lora_runtime.errors import ValidationError

@@ -20,6 +20,7 @@ from lora_runtime.adapters.manager import Lease
 from lora_runtime.adapters.refs import AdapterKey, AdapterRequest, Caller
 from lora_runtime.core import Request, RequestOutput, SamplingParams
 from lora_runtime.engine import Engine
+from lora_runtime.engine_info import EngineInfo
 from lora_runtime.errors import EngineError, RequestAbortedError
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,8 @@ class _Queues:
 class RequestStream:
     """Async iterator over one request's `RequestOutput` snapshots; the last has `finished=True`.
     Leaving early (`aclose`, `abort`, garbage) cancels the request in the engine."""
+
+    replica_id: str | None = None  # one engine in this process (server.cluster's streams name theirs)
 
     def __init__(self, request_id: str, engine: AsyncEngine) -> None:
         self.request_id = request_id
@@ -136,6 +139,10 @@ class AsyncEngine:
         # Requests inside `add_request`, by adapter (None: the base model). Replaced, never mutated,
         # so that `stats()` reads it from any thread.
         self._pending: Counter[AdapterKey | None] = Counter()
+
+    @property
+    def info(self) -> EngineInfo:
+        return self.engine.info
 
     @property
     def is_running(self) -> bool:

@@ -24,6 +24,7 @@ from lora_runtime.config import EngineConfig
 from lora_runtime.dtypes import resolve_dtype
 from lora_runtime.core import Request, RequestOutput, RequestStatus, SamplingParams
 from lora_runtime.embedded import EMBEDDED_MODEL_NAME, ensure_embedded_model
+from lora_runtime.engine_info import EngineInfo
 from lora_runtime.errors import EngineError, ValidationError
 from lora_runtime.kv_cache import KVCacheManager
 from lora_runtime.loader import load_model
@@ -97,6 +98,11 @@ class Engine:
     def kernel_backend(self) -> str:
         """The kernel backend's name, and its instruction-set form for the compiled CPU ops ("cpu/avx2")."""
         return self.model.backend.label
+
+    @property
+    def info(self) -> EngineInfo:
+        return EngineInfo(self.model_name, self.max_model_len, self.config, self.dtype_name, self.kernel_backend,
+                          self.tokenizer, self.adapters.base_shape, self.adapters.limits)
 
     def add_request(
         self,

@@ -13,6 +13,18 @@ class EngineError(Exception):
         super().__init__(message)
         self.message = message
 
+    def __reduce__(self) -> tuple:
+        # Pickled whole (subclasses take other arguments than `args`): errors cross to the process
+        # that answers the request when the engine runs in another one (server.cluster).
+        return _restore_error, (type(self), self.args, self.__dict__)
+
+
+def _restore_error(cls: type[EngineError], args: tuple, state: dict) -> EngineError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
+
 
 class ValidationError(EngineError):
     """A request field has a value the engine refuses; `field` names it."""

@@ -14,7 +14,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from lora_runtime import Engine
+from lora_runtime.engine_info import EngineInfo
 from lora_runtime.adapters.merge import MergedAdapters
 from lora_runtime.adapters.peft_format import load_peft_adapter
 from lora_runtime.adapters.refs import AdapterRef, AdapterRequest, AdapterSource, Caller, LocalSource, parse_adapter_ref
@@ -136,11 +136,11 @@ def _pbase_refs(adapter: AdapterRef | MergedAdapters) -> list[AdapterRef]:
     return [adapter] if adapter.source == "pbase" else []
 
 
-def adapter_services(config: ServerConfig, database: Database, engine: Engine) -> AdapterServices:
+def adapter_services(config: ServerConfig, database: Database, engine: EngineInfo) -> AdapterServices:
     RegistryBase.metadata.create_all(database.engine)  # a no-op once the tables exist
 
     def validate(directory: Path) -> None:
-        load_peft_adapter(directory, engine.adapters.base_shape, engine.adapters.limits)
+        load_peft_adapter(directory, engine.adapter_shape, engine.adapter_limits)
 
     registry = AdapterRegistry(database.sessions, registry_blobs(config), validate)
     return AdapterServices(registry, UrlSigner(secrets.token_bytes(32)))

@@ -14,11 +14,11 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from lora_runtime import AsyncEngine
 from server.adapter_sources import AdapterServices, adapter_services
 from server.bridge import Admission
 from server.config import ServerConfig
 from server.db import Database
+from server.engine_backend import EngineBackend
 from server.errors import install_error_handlers
 from server.metrics import MetricsListener, ServerMetrics
 from server.openai_api import routes as openai_routes
@@ -38,15 +38,16 @@ _GRACE_MARGIN_S = 3
 _FORCE_EXIT_POLL_S = 0.1
 
 
-def create_app(config: ServerConfig, engine, database: Database,
+def create_app(config: ServerConfig, engine: EngineBackend, database: Database,
                adapters: AdapterServices | None = None) -> FastAPI:
-    """The app serving `engine` (a `lora_runtime.Engine`); its lifespan runs one `AsyncEngine`.
-    `adapters` defaults to the registry that `config` describes (what `pbase` sources read)."""
+    """The app serving `engine` (an `AsyncEngine`, or a cluster's `RemoteEngine`), which its
+    lifespan starts and stops. `adapters` defaults to the registry that `config` describes (what
+    `pbase` sources read)."""
     admission = Admission(config.max_in_flight, config.retry_after_s)
-    state = ServerState(config=config, database=database, engine=engine, admission=admission,
+    state = ServerState(config=config, database=database, async_engine=engine, admission=admission,
                         metrics=None,
-                        adapters=adapters or adapter_services(config, database, engine))
-    state.metrics = ServerMetrics(lambda: state.async_engine and state.async_engine.stats(),
+                        adapters=adapters or adapter_services(config, database, engine.info))
+    state.metrics = ServerMetrics(lambda: engine.stats() if engine.is_running else None,
                                   lambda: admission.num_in_flight, config.metrics_max_adapters)
     app = FastAPI(title="LoRA serving", version="0.1.0", lifespan=_lifespan)
     app.state.server = state
@@ -64,9 +65,7 @@ def create_app(config: ServerConfig, engine, database: Database,
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     state: ServerState = app.state.server
-    async_engine = AsyncEngine(state.engine)
-    await async_engine.start()
-    state.async_engine = async_engine
+    await state.async_engine.start()
     if state.config.metrics_port is not None:
         state.metrics_listener = MetricsListener(state.metrics, state.config.host, state.config.metrics_port)
         state.metrics_listener.start()
@@ -74,7 +73,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
     finally:
         await _drain(state)
-        await async_engine.shutdown(0.0)
+        await state.async_engine.shutdown(0.0)
         if state.metrics_listener is not None:
             state.metrics_listener.stop()
 

@@ -6,12 +6,12 @@ from dataclasses import dataclass
 
 from starlette.requests import HTTPConnection
 
-from lora_runtime import AsyncEngine, Engine
-
+from lora_runtime.engine_info import EngineInfo
 from server.adapter_sources import AdapterServices
 from server.bridge import Admission
 from server.config import ServerConfig
 from server.db import Database
+from server.engine_backend import EngineBackend
 from server.metrics import MetricsListener, ServerMetrics
 
 
@@ -19,16 +19,19 @@ from server.metrics import MetricsListener, ServerMetrics
 class ServerState:
     config: ServerConfig
     database: Database
-    engine: Engine
+    async_engine: EngineBackend  # started and stopped with the app
     admission: Admission
     metrics: ServerMetrics | None
     adapters: AdapterServices
-    async_engine: AsyncEngine | None = None  # set when the app starts
     metrics_listener: MetricsListener | None = None  # while the app runs, with `metrics_port`
 
     @property
+    def engine_info(self) -> EngineInfo:
+        return self.async_engine.info
+
+    @property
     def model_name(self) -> str:
-        return self.engine.model_name
+        return self.engine_info.model_name
 
 
 def server_state(connection: HTTPConnection) -> ServerState:

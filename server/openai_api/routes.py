@@ -59,7 +59,7 @@ async def list_models(request: Request, tenant_id: str, deployment_name: str) ->
     tenant = authorize_tenant(request, state.database, tenant_id)
     deployment = resolve_deployment(state.database, tenant, deployment_name)
     repos = await run_in_threadpool(state.adapters.registry.list_repos, tenant, _MAX_LISTED_REPOS)
-    context = state.engine.max_model_len
+    context = state.engine_info.max_model_len
     cards = [ModelCard(id=deployment.base_model, created=0, owned_by="lora-serve",
                        root=deployment.base_model, max_model_len=context)]
     for repo in repos:
@@ -144,7 +144,7 @@ def _completion_call(body: CompletionRequest, state: ServerState, deployment: De
     adapter, adapter_headers = adapter_for(body, deployment, tenant)
     echo_text = None
     if body.echo:
-        echo_text = prompt if isinstance(prompt, str) else state.engine.tokenizer.decode(prompt)
+        echo_text = prompt if isinstance(prompt, str) else state.engine_info.tokenizer.decode(prompt)
     answer = CompletionAnswer(_model_name(body, deployment), params, body.n or 1, _include_usage(body),
                               logprobs=body.logprobs, echo_text=echo_text)
     return EngineCall(prompt=prompt, params=params, adapter=adapter, is_stream=bool(body.stream),

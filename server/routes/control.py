@@ -80,12 +80,13 @@ async def current_user(request: Request) -> CurrentUser:
 async def deployment_detail(request: Request, name: str) -> DeploymentEnvelope:
     state = server_state(request)
     deployment = resolve_deployment(state.database, authenticate(request, state.database), name)
-    max_input = state.engine.config.limits.max_input_length or state.engine.max_model_len - 1
+    engine = state.engine_info
+    max_input = engine.config.limits.max_input_length or engine.max_model_len - 1
     detail = DeploymentDetail(
         name=deployment.name, uuid=_stable_uuid("deployment", deployment.name),
         description=f"{deployment.base_model} ({'shared' if deployment.is_shared else 'private'})",
         type="shared" if deployment.is_shared else "private", status="ready",
         model=DeploymentModel(name=deployment.base_model, maxInputLength=max_input),
-        accelerator={"id": state.engine.config.device}, currentReplicas=1,
+        accelerator={"id": engine.config.device}, currentReplicas=1,
         usesGuaranteedCapacity=False)
     return DeploymentEnvelope(data=detail)

@@ -72,7 +72,7 @@ async def health(request: Request) -> Response:
     state = server_state(request)
     if state.admission.is_draining:
         return JSONResponse(error_body("healthcheck", "draining: the server is shutting down"), 503)
-    if state.async_engine is None or not state.async_engine.is_running:
+    if not state.async_engine.is_running:
         return JSONResponse(error_body("healthcheck", "engine is not ready"), 503)
     return JSONResponse({"status": "ok"})
 
@@ -81,8 +81,8 @@ async def health(request: Request) -> Response:
 async def info(request: Request) -> Info:
     state = server_state(request)
     tenant = authenticate(request, state.database)
-    config, context = state.config, state.engine.max_model_len
-    engine_limits = state.engine.config.limits
+    config, engine = state.config, state.engine_info
+    context, engine_limits = engine.max_model_len, engine.config.limits
     limits = Limits(
         max_in_flight=config.max_in_flight, max_body_bytes=config.max_body_bytes,
         max_input_length=engine_limits.max_input_length or context - 1, max_total_tokens=context,
@@ -90,8 +90,8 @@ async def info(request: Request) -> Info:
         max_stop_sequences=engine_limits.max_stop_sequences, max_best_of=engine_limits.max_best_of)
     deployments = [DeploymentInfo(name=d.name, base_model=d.base_model, shared=d.is_shared)
                    for d in visible_deployments(state.database, tenant)]
-    adapters = state.engine.config.adapters
-    runtime = Runtime(dtype=state.engine.dtype_name, kernel_backend=state.engine.kernel_backend,
+    adapters = engine.config.adapters
+    runtime = Runtime(dtype=engine.dtype_name, kernel_backend=engine.kernel_backend,
                       adapter_pool_bytes=adapters.device_pool_bytes, adapter_host_cache_bytes=adapters.host_cache_bytes)
     return Info(version=_version(), tenant=tenant, base_models=[state.model_name],
                 deployments=deployments, limits=limits, runtime=runtime)

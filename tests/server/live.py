@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from lora_runtime import AsyncEngine
 from server.app import DrainingServer, create_app
 from server.config import ServerConfig
 from server.db import Database, open_database
@@ -62,7 +63,7 @@ def start_live_server(engine, data_dir: Path, **overrides) -> LiveServer:
     private = [Deployment(f"{tenant}-private", tenant, engine.model_name) for tenant in TENANTS]
     register_deployments(database, [engine.model_name], private)
     config = replace(ServerConfig(port=0, data_dir=data_dir), **overrides)
-    server = DrainingServer(create_app(config, engine, database), config, log_level="warning")
+    server = DrainingServer(create_app(config, AsyncEngine(engine), database), config, log_level="warning")
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

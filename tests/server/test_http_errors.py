@@ -101,7 +101,7 @@ def test_health_needs_no_token_and_info_needs_one(live) -> None:
     assert names == {live.model_name, "demo-private"}
     assert info["base_models"] == [live.model_name] and info["limits"]["max_in_flight"] == 4
     backend = kernels.backend_for("cpu")
-    adapters = live.state.engine.config.adapters
+    adapters = live.state.engine_info.config.adapters
     assert info["runtime"] == {"dtype": "float32", "kernel_backend": backend.label,  # the live server runs float32
                                "adapter_pool_bytes": adapters.device_pool_bytes,
                                "adapter_host_cache_bytes": adapters.host_cache_bytes}

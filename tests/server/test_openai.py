@@ -90,7 +90,7 @@ def test_completions_equal_the_tgi_route(live, model) -> None:
 def test_chat_without_max_tokens_runs_to_eos(live) -> None:
     completion = _client(live).chat.completions.create(model=live.model_name, messages=MESSAGES[1:], temperature=0)
     assert completion.choices[0].finish_reason == "stop"
-    assert completion.usage.completion_tokens < live.state.engine.max_model_len
+    assert completion.usage.completion_tokens < live.state.engine_info.max_model_len
 
 
 def test_streams_equal_the_whole_answers_and_report_usage(live) -> None:
@@ -192,10 +192,10 @@ def test_seed_makes_sampling_reproducible_and_n_gives_distinct_choices(live) -> 
 
 
 def test_logit_bias_forces_a_token(live) -> None:
-    token_id = live.state.engine.tokenizer.encode(" banana")[0]
+    token_id = live.state.engine_info.tokenizer.encode(" banana")[0]
     completion = _client(live).completions.create(model="", prompt=PROMPT, temperature=0, max_tokens=1,
                                                   logit_bias={str(token_id): 100})
-    assert completion.choices[0].text == live.state.engine.tokenizer.decode([token_id])
+    assert completion.choices[0].text == live.state.engine_info.tokenizer.decode([token_id])
 
 
 def test_presence_and_frequency_penalties_change_the_greedy_answer(live) -> None:
@@ -204,7 +204,7 @@ def test_presence_and_frequency_penalties_change_the_greedy_answer(live) -> None
     plain = client.completions.create(model="", prompt=prompt, temperature=0, max_tokens=10).choices[0].text
     penalised = client.completions.create(model="", prompt=prompt, temperature=0, max_tokens=10,
                                           frequency_penalty=2.0, presence_penalty=2.0).choices[0].text
-    tokenizer = live.state.engine.tokenizer
+    tokenizer = live.state.engine_info.tokenizer
     plain_ids, penalised_ids = tokenizer.encode(plain), tokenizer.encode(penalised)
     # An additive penalty per repeat: the penalised answer repeats its own tokens less.
     assert len(set(penalised_ids)) / len(penalised_ids) > len(set(plain_ids)) / len(plain_ids)

@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import inspect, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from server.__main__ import _ensure_demo_tenant
+from server.launch import ensure_demo_tenant
 from server.db import open_database
 from server.deployments import read_deployments_file, register_deployments, resolve_deployment
 from server.errors import ApiError
@@ -92,12 +92,12 @@ def test_private_deployment_on_a_model_not_loaded_is_refused(database) -> None:
 
 
 def test_first_start_creates_demo_tenant_and_token_file_once(database, tmp_path: Path) -> None:
-    token = _ensure_demo_tenant(database, tmp_path)
+    token = ensure_demo_tenant(database, tmp_path)
     assert token is not None
     assert (tmp_path / "demo-token").read_text().strip() == token
     assert (tmp_path / "demo-token").stat().st_mode & 0o077 == 0
     assert tenant_of_token(database, token) == "demo"
-    assert _ensure_demo_tenant(database, tmp_path) is None
+    assert ensure_demo_tenant(database, tmp_path) is None
     assert list_tenants(database) == ["demo"]
 
 

@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from lora_runtime.adapters.cache import AdapterLease
 from lora_runtime.adapters.manager import Lease
 from lora_runtime.adapters.refs import AdapterKey, AdapterRequest, Caller
 from lora_runtime.core import Request, RequestOutput, SamplingParams
@@ -186,10 +187,16 @@ class AsyncEngine:
 
     async def _add(self, prompt: str | list[int], params: SamplingParams, adapter: object,
                    request_id: str | None) -> RequestStream:
-        """Hand the request to the loop thread, which validates and queues it."""
+        """Hand the request to the loop thread, which validates and queues it. A caller cancelled
+        before the loop gets to it is never queued (its adapter hold released); one cancelled while
+        it is queued has its request aborted as soon as it exists."""
         future: concurrent.futures.Future[RequestStream] = concurrent.futures.Future()
 
         def add() -> None:
+            if not future.set_running_or_notify_cancel():  # from here on, cancel() cannot succeed
+                if isinstance(adapter, AdapterLease):
+                    adapter.release()
+                return
             try:
                 new_id = self.engine.add_request(prompt, params, adapter, request_id=request_id)
             except Exception as error:  # handed to the caller, who maps it to a status
@@ -202,7 +209,16 @@ class AsyncEngine:
             future.set_result(self._streams[new_id])
 
         self._commands.put(add)
-        return await asyncio.wrap_future(future)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            future.add_done_callback(self._abort_orphan)
+            raise
+
+    def _abort_orphan(self, future: concurrent.futures.Future[RequestStream]) -> None:
+        """A request queued for a caller that has left: nobody will read it."""
+        if not future.cancelled() and future.exception() is None:
+            self.abort(future.result().request_id)
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; safe from any thread, idempotent."""

@@ -8,6 +8,7 @@ byte, counting) is done here once.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -19,10 +20,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from lora_runtime.adapters.refs import AdapterRequest
-from lora_runtime.async_engine import RequestStream
 from lora_runtime.core import RequestOutput, SamplingParams
 from lora_runtime.errors import EngineError
 from server.bridge import final_output
+from server.engine_backend import EngineStream
 from server.errors import ApiError, from_engine_error
 from server.responses import Timing, generate_headers
 from server.state import ServerState
@@ -57,7 +58,7 @@ class EngineCall:
     adapter: AdapterRequest | None
     is_stream: bool
     answer: Answer
-    identity: dict[str, str]  # x-model-id, x-adapter-id, x-adapter-source
+    identity: dict[str, str]  # x-model-id, x-adapter-id, x-adapter-source (+ x-replica-id in a cluster)
 
 
 async def counted(state: ServerState, route: str, serve: Awaitable[Response]) -> Response:
@@ -80,6 +81,8 @@ async def serve(request: Request, state: ServerState, call: EngineCall, received
         is_owned_by_response = False
         try:
             stream = await state.async_engine.add_request(call.prompt, call.params, adapter=adapter)
+            if stream.replica_id is not None:
+                call = dataclasses.replace(call, identity={**call.identity, "x-replica-id": stream.replica_id})
             timing = Timing(received, time.monotonic())
             if not call.is_stream:
                 return await _complete(request, stream, call, state, timing)
@@ -93,7 +96,7 @@ async def serve(request: Request, state: ServerState, call: EngineCall, received
         raise from_engine_error(error, state.config.retry_after_s) from None
 
 
-async def _stream_response(request: Request, stream: RequestStream, call: EngineCall,
+async def _stream_response(request: Request, stream: EngineStream, call: EngineCall,
                            state: ServerState, timing: Timing, release: Callable[[], None]) -> Response:
     """SSE once the first output is in (or `keepalive_s` passed), so that early failures still
     get their own status; from then on the response owns the slot and the stream."""
@@ -118,7 +121,7 @@ async def _stream_response(request: Request, stream: RequestStream, call: Engine
     return CleanupStreamingResponse(events, on_close, call.identity)
 
 
-async def _complete(request: Request, stream: RequestStream, call: EngineCall, state: ServerState,
+async def _complete(request: Request, stream: EngineStream, call: EngineCall, state: ServerState,
                     timing: Timing) -> Response:
     output = await final_output(stream, request)
     if output is None:
@@ -146,7 +149,7 @@ def _client_closed() -> Response:
     return Response(status_code=499)
 
 
-def _observe_disconnect(request: Request, stream: RequestStream, call: EngineCall, state: ServerState,
+def _observe_disconnect(request: Request, stream: EngineStream, call: EngineCall, state: ServerState,
                         timing: Timing) -> None:
     """One account of a request aborted because its client left, streamed or not: counted, logged,
     and its tokens counted as generated (the engine did the work)."""

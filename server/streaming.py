@@ -10,17 +10,17 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from lora_runtime.async_engine import RequestStream
 from lora_runtime.core import RequestOutput
 from lora_runtime.errors import EngineError
 from server.bridge import wait_for_disconnect
+from server.engine_backend import EngineStream
 from server.errors import ApiError
 from server.responses import SSE_KEEPALIVE, sse_event
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-async def first_output(stream: RequestStream, request: Request, wait_s: float) -> asyncio.Future | None:
+async def first_output(stream: EngineStream, request: Request, wait_s: float) -> asyncio.Future | None:
     """Start fetching the stream's first output and wait up to `wait_s` for it, so that failures
     known by then (a failed first step, say) are raised before the response starts. Returns the
     pending fetch, to be handed to `sse_events`, or None when the client left meanwhile: a long

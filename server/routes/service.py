@@ -104,11 +104,11 @@ async def info(request: Request) -> Info:
                        403: {**error_responses(403)[403], "description": "not the metrics tenant"}})
 async def metrics(request: Request) -> Response:
     state = server_state(request)
-    viewer = _metrics_viewer(authenticate(request, state.database), state.config.metrics_tenant)
+    viewer = metrics_viewer(authenticate(request, state.database), state.config.metrics_tenant)
     return Response(state.metrics.render(viewer), media_type=CONTENT_TYPE)
 
 
-def _metrics_viewer(tenant: str, metrics_tenant: str | None) -> str | None:
+def metrics_viewer(tenant: str, metrics_tenant: str | None) -> str | None:
     """Whose adapters' series the caller sees (None: all). With no metrics tenant configured, every
     tenant reads /metrics and sees its own: adapter ids name private adapters. With one, only it reads."""
     if metrics_tenant is None:

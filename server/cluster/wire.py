@@ -1,0 +1,47 @@
+"""What crosses between the ingress and an engine replica besides `RequestOutput`s: the replica's
+first word on a request (accepted, and by whom, or refused with the engine's error), a failure
+after that, the replica's published state, and the multiplexed model id that names an adapter."""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+
+from lora_runtime.adapters.refs import AdapterKey
+from lora_runtime.async_engine import EngineStats
+from lora_runtime.errors import EngineError
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """The request is validated and queued on `replica_id`; its outputs follow."""
+
+    replica_id: str
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The request failed on its replica, before or after `Accepted`; nothing follows."""
+
+    error: EngineError
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaReport:
+    """A replica's state as it published it: its engine's stats and the adapters its host cache holds
+    (the cluster view of `GET /cluster`)."""
+
+    replica_id: str
+    stats: EngineStats
+    cached_adapters: tuple[AdapterKey, ...]
+    published_at: float = field(default_factory=time.time)
+
+
+def adapter_model_id(key: AdapterKey) -> str:
+    """The multiplexed model id of an adapter: readable, and distinct for every distinct key (tenant,
+    credential and version included), as the engine's caches are."""
+    fields = [key.source, key.scope, key.credential, key.version, key.adapter_id]
+    digest = hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:16]
+    return f"{key}#{digest}"

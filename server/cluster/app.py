@@ -115,6 +115,5 @@ class Ingress:
         adapters = await asyncio.to_thread(prepare_service, config, database, info)
         engine = RemoteEngine(self._engines, self._directory, info)
         app = create_app(config, engine, database, adapters)
-        app.include_router(view.router)
-        app.state.server.metrics.registry.register(view.ReplicaCollector(engine.reports))
+        view.install(app, engine)
         return app

@@ -9,20 +9,18 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterator
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, FastAPI, Request
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from pydantic import BaseModel
 
 from server.adapter_metrics import adapter_name, is_visible, owner_of
 from server.auth import authenticate
+from server.cluster.remote import RemoteEngine
 from server.cluster.wire import ReplicaReport
 from server.routes.openapi import error_responses
 from server.routes.service import metrics_viewer
 from server.state import server_state
-
-router = APIRouter()
-
 
 class ReplicaView(BaseModel):
     replica_id: str
@@ -39,10 +37,21 @@ class ClusterView(BaseModel):
     replicas: list[ReplicaView]
 
 
-@router.get("/cluster", response_model=ClusterView, responses=error_responses(401, 403))
-async def cluster(request: Request) -> ClusterView:
-    state = server_state(request)
-    viewer = metrics_viewer(authenticate(request, state.database), state.config.metrics_tenant)
+def install(app: FastAPI, engine: RemoteEngine) -> None:
+    """`GET /cluster` and the per-replica series, on the ingress's app over `engine`'s reports."""
+    router = APIRouter(tags=["service"])
+
+    @router.get("/cluster", response_model=ClusterView, responses=error_responses(401, 403))
+    async def cluster(request: Request) -> ClusterView:
+        state = server_state(request)
+        viewer = metrics_viewer(authenticate(request, state.database), state.config.metrics_tenant)
+        return cluster_view(engine.reports(), viewer)
+
+    app.include_router(router)
+    app.state.server.metrics.registry.register(ReplicaCollector(engine.reports))
+
+
+def cluster_view(reports: tuple[ReplicaReport, ...], viewer: str | None) -> ClusterView:
     now = time.time()
     return ClusterView(replicas=[
         ReplicaView(replica_id=report.replica_id, report_age_s=round(now - report.published_at, 3),
@@ -52,7 +61,7 @@ async def cluster(request: Request) -> ClusterView:
                     num_generated_tokens=report.stats.num_generated_tokens,
                     adapters=[adapter_name(key) for key in report.cached_adapters
                               if is_visible(owner_of(key), viewer)])
-        for report in state.async_engine.reports()])
+        for report in reports])
 
 
 class ReplicaCollector(Collector):

@@ -13,6 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from server.db import open_database
+from server.tenancy import create_tenant, create_token
 from tests.fixtures.postgres import find_postgres_bin_dir, start_postgres
 from tests.fixtures.s3_server import REGION, s3_server
 from tests.wiring.conftest import make_embedded_adapter
@@ -27,25 +29,30 @@ ADAPTERS = ("a0", "a1", "a2", "a3")
 
 @dataclass
 class Cluster:
+    """The cluster's ingress, addressed as tests/server/live.py's `LiveServer` is (tenants `demo` and
+    `other`), so that the single server's client tests run against it too."""
+
     base_url: str
-    database_url: str
-    token: str
+    tokens: dict[str, str]
     model_name: str
     adapter_dirs: dict[str, Path]
 
-    def prefix(self, tenant: str = "demo") -> str:
-        return f"{self.base_url}/{tenant}/deployments/v2/llms/{self.model_name}"
-
     @property
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.token}"}
+    def token(self) -> str:
+        return self.tokens["demo"]
+
+    def prefix(self, tenant: str = "demo", deployment: str | None = None) -> str:
+        return f"{self.base_url}/{tenant}/deployments/v2/llms/{deployment or self.model_name}"
+
+    def headers(self, tenant: str = "demo") -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.tokens[tenant]}"}
 
     def generate(self, parameters: dict, inputs: str = "The capital of France is", timeout_s: float = 120):
         body = {"inputs": inputs, "parameters": {"max_new_tokens": 4, "details": True, **parameters}}
-        return httpx.post(self.prefix() + "/generate", json=body, headers=self.headers, timeout=timeout_s)
+        return httpx.post(self.prefix() + "/generate", json=body, headers=self.headers(), timeout=timeout_s)
 
     def replicas(self) -> list[dict]:
-        response = httpx.get(f"{self.base_url}/cluster", headers=self.headers, timeout=30)
+        response = httpx.get(f"{self.base_url}/cluster", headers=self.headers(), timeout=30)
         response.raise_for_status()
         return response.json()["replicas"]
 
@@ -90,9 +97,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(application(args), name=APP_NAME, route_prefix="/")
-        token = (root / "data" / "demo-token").read_text().strip()
-        info = httpx.get(f"http://127.0.0.1:{port}/info", headers={"Authorization": f"Bearer {token}"}).json()
-        cluster = Cluster(f"http://127.0.0.1:{port}", postgres.url, token, info["base_models"][0], adapter_dirs)
+        tokens = {"demo": (root / "data" / "demo-token").read_text().strip()}
+        database = open_database(postgres.url)
+        create_tenant(database, "other")
+        tokens["other"] = create_token(database, "other")
+        database.dispose()
+        info = httpx.get(f"http://127.0.0.1:{port}/info", headers={"Authorization": f"Bearer {tokens['demo']}"}).json()
+        cluster = Cluster(f"http://127.0.0.1:{port}", tokens, info["base_models"][0], adapter_dirs)
         cluster.wait_for_replicas(2)
         yield cluster
     finally:

@@ -1,5 +1,6 @@
 """The service on Ray Serve (2 engine replicas): adapter affinity, shared registry, client disconnects,
-429 when every replica is full, the same clients as the single server, and a replica killed mid-run.
+429 when every replica is full, per-replica metrics, and a replica killed mid-run (the official
+clients: tests/cluster/test_clients_on_cluster.py).
 The replica-killing test runs last (this module's order): Serve replaces the replica afterwards."""
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def test_adapter_requests_stick_to_one_replica(cluster: Cluster, uploaded: list[
         async with httpx.AsyncClient(timeout=120) as client:
             async def one(adapter_id: str) -> tuple[str, str]:
                 body = {"inputs": "Hello", "parameters": {"max_new_tokens": 4, "adapter_id": adapter_id}}
-                response = await client.post(cluster.prefix() + "/generate", json=body, headers=cluster.headers)
+                response = await client.post(cluster.prefix() + "/generate", json=body, headers=cluster.headers())
                 return adapter_id, _replica(response)
 
             served = []
@@ -63,7 +64,7 @@ def test_base_requests_spread_over_both_replicas(cluster: Cluster) -> None:
         async with httpx.AsyncClient(timeout=120) as client:
             async def one() -> str:
                 body = {"inputs": "Count: 1, 2,", "parameters": {"max_new_tokens": 16}}
-                return _replica(await client.post(cluster.prefix() + "/generate", json=body, headers=cluster.headers))
+                return _replica(await client.post(cluster.prefix() + "/generate", json=body, headers=cluster.headers()))
 
             return await asyncio.gather(*(one() for _ in range(2 * MAX_IN_FLIGHT)))
 
@@ -84,7 +85,7 @@ def test_an_uploaded_adapter_is_served_alike_by_both_replicas(cluster: Cluster, 
         async with httpx.AsyncClient(timeout=120) as client:
             body = {"inputs": "The capital of France is",
                     "parameters": {"max_new_tokens": 24, "adapter_id": adapter_id, "details": True}}
-            return await asyncio.gather(*(client.post(cluster.prefix() + "/generate", json=body, headers=cluster.headers)
+            return await asyncio.gather(*(client.post(cluster.prefix() + "/generate", json=body, headers=cluster.headers())
                                           for _ in range(2 * MAX_IN_FLIGHT)))
 
     responses = asyncio.run(run())
@@ -98,7 +99,7 @@ def test_every_replica_full_answers_429(cluster: Cluster) -> None:
     async def run() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=120) as client:
             body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 48}}
-            return await asyncio.gather(*(client.post(cluster.prefix() + "/generate", json=body, headers=cluster.headers)
+            return await asyncio.gather(*(client.post(cluster.prefix() + "/generate", json=body, headers=cluster.headers())
                                           for _ in range(2 * MAX_IN_FLIGHT + 4)))
 
     statuses = Counter(response.status_code for response in asyncio.run(run()))
@@ -108,7 +109,7 @@ def test_every_replica_full_answers_429(cluster: Cluster) -> None:
 
 def test_a_client_leaving_aborts_its_request_on_the_replica(cluster: Cluster) -> None:
     body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 400}}
-    with httpx.stream("POST", cluster.prefix() + "/generate_stream", json=body, headers=cluster.headers,
+    with httpx.stream("POST", cluster.prefix() + "/generate_stream", json=body, headers=cluster.headers(),
                       timeout=120) as response:
         replica = response.headers["x-replica-id"]
         for _ in zip(range(3), response.iter_lines()):
@@ -122,23 +123,8 @@ def test_a_client_leaving_aborts_its_request_on_the_replica(cluster: Cluster) ->
         time.sleep(0.2)
 
 
-def test_official_clients_against_the_ingress(cluster: Cluster, uploaded: list[str]) -> None:
-    from lorax import Client as LoraxClient
-    from text_generation import Client as TgiClient
-
-    lorax = LoraxClient(cluster.prefix(), headers=cluster.headers, timeout=120)
-    answer = lorax.generate("The capital of France is", adapter_id=uploaded[0], max_new_tokens=6, details=True)
-    streamed = "".join(r.token.text for r in lorax.generate_stream("The capital of France is", adapter_id=uploaded[0],
-                                                                     max_new_tokens=6) if not r.token.special)
-    assert answer.generated_text == streamed and answer.details.generated_tokens == 6
-    tgi = TgiClient(cluster.prefix(), headers=cluster.headers, timeout=120)
-    text = tgi.generate("The capital of France is", max_new_tokens=6).generated_text
-    assert text == "".join(r.token.text for r in tgi.generate_stream("The capital of France is", max_new_tokens=6)
-                           if not r.token.special)
-
-
 def test_metrics_show_each_replica(cluster: Cluster) -> None:
-    text = httpx.get(f"{cluster.base_url}/metrics", headers=cluster.headers, timeout=30).text
+    text = httpx.get(f"{cluster.base_url}/metrics", headers=cluster.headers(), timeout=30).text
     replicas = {r["replica_id"] for r in cluster.replicas()}
     for replica in replicas:
         assert f'lora_replica_num_running{{replica="{replica}"}}' in text
@@ -151,14 +137,14 @@ def test_a_killed_replica_fails_its_requests_with_503_and_the_other_serves(clust
 
     adapter = uploaded[1]
     body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 400, "adapter_id": adapter}}
-    with httpx.stream("POST", cluster.prefix() + "/generate_stream", json=body, headers=cluster.headers,
+    with httpx.stream("POST", cluster.prefix() + "/generate_stream", json=body, headers=cluster.headers(),
                       timeout=120) as stream:
         doomed = stream.headers["x-replica-id"]
         lines = stream.iter_lines()
         next(line for line in lines if line.startswith("data:"))
         whole: list[httpx.Response] = []
         waiting = threading.Thread(target=lambda: whole.append(httpx.post(
-            cluster.prefix() + "/generate", json=body, headers=cluster.headers, timeout=120)))
+            cluster.prefix() + "/generate", json=body, headers=cluster.headers(), timeout=120)))
         waiting.start()
         deadline = time.monotonic() + 30
         while next(r for r in cluster.replicas() if r["replica_id"] == doomed)["num_running"] < 2:

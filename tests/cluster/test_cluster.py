@@ -107,20 +107,25 @@ def test_every_replica_full_answers_429(cluster: Cluster) -> None:
     assert set(statuses) == {200, 429}
 
 
+def _wait_until_idle(cluster: Cluster, replica: str | None = None, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(r["num_running"] for r in cluster.replicas() if replica in (None, r["replica_id"])):
+        assert time.monotonic() < deadline, "a request still runs on its replica after its client left"
+        time.sleep(0.2)
+
+
 def test_a_client_leaving_aborts_its_request_on_the_replica(cluster: Cluster) -> None:
-    body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 400}}
+    """Streamed or not: 4000 tokens would take a minute; the request ends when its client leaves."""
+    body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 4000, "ignore_eos_token": True}}
     with httpx.stream("POST", cluster.prefix() + "/generate_stream", json=body, headers=cluster.headers(),
                       timeout=120) as response:
         replica = response.headers["x-replica-id"]
         for _ in zip(range(3), response.iter_lines()):
             pass
-    deadline = time.monotonic() + 30
-    while True:
-        state = next(r for r in cluster.replicas() if r["replica_id"] == replica)
-        if state["num_running"] == 0:
-            break
-        assert time.monotonic() < deadline, "the request still runs on its replica after its client left"
-        time.sleep(0.2)
+    _wait_until_idle(cluster, replica)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(cluster.prefix() + "/generate", json=body, headers=cluster.headers(), timeout=1.0)
+    _wait_until_idle(cluster)
 
 
 def test_metrics_show_each_replica(cluster: Cluster) -> None:

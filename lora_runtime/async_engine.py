@@ -75,14 +75,16 @@ class _Queues:
 
 
 class RequestStream:
-    """Async iterator over one request's `RequestOutput` snapshots; the last has `finished=True`.
+    """Async iterator over one request's `RequestOutput` snapshots; the last has `finished=True`;
+    with `final_only`, that one alone (a caller that answers only the whole result).
     Leaving early (`aclose`, `abort`, garbage) cancels the request in the engine."""
 
     replica_id: str | None = None  # one engine in this process (server.cluster's streams name theirs)
 
-    def __init__(self, request_id: str, engine: AsyncEngine) -> None:
+    def __init__(self, request_id: str, engine: AsyncEngine, final_only: bool = False) -> None:
         self.request_id = request_id
         self._engine = engine
+        self._final_only = final_only
         self._queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         self._done = False
         # The newest snapshot the engine sent, read or not: what an aborted request had generated.
@@ -96,6 +98,8 @@ class RequestStream:
     def _push(self, item: RequestOutput | Exception) -> None:
         if isinstance(item, RequestOutput):
             self._latest = item
+            if self._final_only and not item.finished:
+                return
         self._queue.put_nowait(item)
 
     def __aiter__(self) -> RequestStream:
@@ -161,15 +165,17 @@ class AsyncEngine:
         adapter: object = None,
         request_id: str | None = None,
         api_token: str | None = None,
+        final_only: bool = False,
     ) -> RequestStream:
         """Load the request's adapter, then validate and queue: validation and adapter failures
-        raise EngineError subclasses here, before anything is streamed."""
+        raise EngineError subclasses here, before anything is streamed. With `final_only` the
+        stream yields the finished output alone."""
         adapter_request = self.engine.adapters.parse(adapter, Caller(api_token=api_token))
         pending = Counter([adapter_request.key if adapter_request is not None else None])
         self._pending = self._pending + pending
         try:
             lease = await self._load(adapter_request)
-            return await self._add(prompt, params, lease or adapter_request, request_id)
+            return await self._add(prompt, params, lease or adapter_request, request_id, final_only)
         finally:
             self._pending = self._pending - pending
 
@@ -186,7 +192,7 @@ class AsyncEngine:
         return lease
 
     async def _add(self, prompt: str | list[int], params: SamplingParams, adapter: object,
-                   request_id: str | None) -> RequestStream:
+                   request_id: str | None, final_only: bool) -> RequestStream:
         """Hand the request to the loop thread, which validates and queues it. A caller cancelled
         before the loop gets to it is never queued (its adapter hold released); one cancelled while
         it is queued has its request aborted as soon as it exists."""
@@ -205,7 +211,7 @@ class AsyncEngine:
             self._publish_queues()  # before it stops counting as pending
             # The stream itself is handed over: a request may finish, and leave `_streams`, before
             # the caller runs again.
-            self._streams[new_id] = RequestStream(new_id, self)
+            self._streams[new_id] = RequestStream(new_id, self, final_only)
             future.set_result(self._streams[new_id])
 
         self._commands.put(add)

@@ -38,8 +38,9 @@ class EngineBackend(Protocol):
     async def shutdown(self, deadline_s: float = 10.0) -> None: ...
 
     async def add_request(self, prompt: str | list[int], params: SamplingParams,
-                          adapter: AdapterRequest | None = None) -> EngineStream:
-        """Validate and queue; validation and adapter failures raise EngineError here."""
+                          adapter: AdapterRequest | None = None, final_only: bool = False) -> EngineStream:
+        """Validate and queue; validation and adapter failures raise EngineError here. With
+        `final_only` the stream yields the finished output alone (a whole answer needs no more)."""
 
     def stats(self) -> EngineStats:
         """Safe from any thread; a cluster's are its replicas' summed, as last published."""

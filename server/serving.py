@@ -80,7 +80,8 @@ async def serve(request: Request, state: ServerState, call: EngineCall, received
         release = state.admission.acquire()
         is_owned_by_response = False
         try:
-            stream = await state.async_engine.add_request(call.prompt, call.params, adapter=adapter)
+            stream = await state.async_engine.add_request(call.prompt, call.params, adapter=adapter,
+                                                          final_only=not call.is_stream)
             if stream.replica_id is not None:
                 call = dataclasses.replace(call, identity={**call.identity, "x-replica-id": stream.replica_id})
             timing = Timing(received, time.monotonic())

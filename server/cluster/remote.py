@@ -137,11 +137,13 @@ class RemoteEngine:
                 await self._poller
 
     async def add_request(self, prompt: str | list[int], params: SamplingParams,
-                          adapter: AdapterRequest | None = None) -> RemoteStream:
+                          adapter: AdapterRequest | None = None, final_only: bool = False) -> RemoteStream:
+        """With `final_only`, the replica sends the finished output alone: one Ray item, not one a
+        token (the ingress then cannot count the tokens of a request its client left)."""
         model_id = adapter_model_id(adapter.key) if adapter is not None else ""
         handle = self._engine.options(stream=True, multiplexed_model_id=model_id)
         with _service_errors():
-            response = handle.generate.remote(prompt, params, adapter)
+            response = handle.generate.remote(prompt, params, adapter, final_only)
         try:
             first = await _next_item(response)
         except StopAsyncIteration:

@@ -55,15 +55,16 @@ class EngineReplica:
     def info(self) -> EngineInfo:
         return self._engine.info
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       adapter: AdapterRequest | None) -> AsyncIterator[Accepted | Failed | RequestOutput]:
-        """`Accepted` or `Failed`, then the request's outputs; a `Failed` ends it. Cancelled by the
-        ingress (its client left), the request is aborted in the engine."""
+    async def generate(self, prompt: str | list[int], params: SamplingParams, adapter: AdapterRequest | None,
+                       final_only: bool) -> AsyncIterator[Accepted | Failed | RequestOutput]:
+        """`Accepted` or `Failed`, then the request's outputs (the finished one alone with
+        `final_only`); a `Failed` ends it. Cancelled by the ingress (its client left), the request
+        is aborted in the engine."""
         model_id = serve.get_multiplexed_model_id()
         if model_id:
             await self._note_adapter(model_id)
         try:
-            stream = await self._engine.add_request(prompt, params, adapter=adapter)
+            stream = await self._engine.add_request(prompt, params, adapter=adapter, final_only=final_only)
         except EngineError as error:
             yield Failed(error)
             return

@@ -1,6 +1,6 @@
-"""A caller of `AsyncEngine.add_request` cancelled while its request waits for the loop thread (a
-client that leaves, an ingress that gives up) costs nothing and never stops the loop: the request
-is not queued, its adapter hold is released, and the engine keeps serving."""
+"""`AsyncEngine`'s streams: a caller of `add_request` cancelled while its request waits for the loop
+thread (a client that leaves, an ingress that gives up) costs nothing and never stops the loop (the
+request is not queued, its adapter hold is released); `final_only` yields the finished output alone."""
 from __future__ import annotations
 
 import asyncio
@@ -43,3 +43,20 @@ def test_a_cancelled_add_is_dropped_and_the_loop_keeps_serving(tiny_dir, adapter
     assert last.finished and len(last.token_ids) == 2
     assert stats.num_finished_requests == 1  # the cancelled request never ran
     assert stats.num_pinned_adapters == 0  # and its adapter hold was released
+
+
+def test_final_only_yields_the_finished_output_alone(tiny_dir) -> None:
+    async def run() -> tuple:
+        engine = AsyncEngine(make_engine(tiny_dir))
+        await engine.start()
+        try:
+            params = SamplingParams(max_new_tokens=5, ignore_eos_token=True)
+            every = [output async for output in await engine.add_request([5, 17, 33], params)]
+            final = [output async for output in await engine.add_request([5, 17, 33], params, final_only=True)]
+            return every, final
+        finally:
+            await engine.shutdown()
+
+    every, final = asyncio.run(run())
+    assert len(every) == 5 and [output.finished for output in final] == [True]
+    assert final[0].token_ids == every[-1].token_ids

@@ -5,6 +5,7 @@ throughput, time to first token (TTFT) and time per output token (TPOT), p50 and
     python -m benchmarks.serving --url http://H:P --token T --tenant demo --deployment NAME
     python -m benchmarks.serving --concurrency 1,8,64 --requests 64 --max-new-tokens 32 \
         --adapters a/1,b/1 --distribution zipf
+    python -m benchmarks.serving --whole ...          # non-streamed `generate` requests
 
 Each concurrency level runs `--requests` requests through a bounded pool of asyncio workers (one
 httpx connection each). Results: `benchmarks/results/serving-<time>.json` and a PNG plot beside it.
@@ -45,6 +46,9 @@ class Target:
     def stream_url(self) -> str:
         return f"{self.base_url}/{self.tenant}/deployments/v2/llms/{self.deployment}/generate_stream"
 
+    def generate_url(self) -> str:
+        return f"{self.base_url}/{self.tenant}/deployments/v2/llms/{self.deployment}/generate"
+
 
 @dataclass(slots=True)
 class Sample:
@@ -81,10 +85,12 @@ def adapter_picker(adapters: list[str], distribution: str, zipf_s: float, seed: 
 
 
 async def one_request(http: httpx.AsyncClient, target: Target, max_new_tokens: int,
-                      adapter_id: str | None) -> Sample:
+                      adapter_id: str | None, whole: bool = False) -> Sample:
     parameters = {"max_new_tokens": max_new_tokens, "ignore_eos_token": True}
     if adapter_id:
         parameters["adapter_id"] = adapter_id
+    if whole:
+        return await whole_request(http, target, parameters)
     sample, start, token_times = Sample(), time.perf_counter(), []
     async with http.stream("POST", target.stream_url(), json={"inputs": PROMPT, "parameters": parameters},
                            headers={"Authorization": f"Bearer {target.token}"}) as response:
@@ -105,8 +111,18 @@ async def one_request(http: httpx.AsyncClient, target: Target, max_new_tokens: i
     return sample
 
 
+async def whole_request(http: httpx.AsyncClient, target: Target, parameters: dict) -> Sample:
+    """A non-streamed `generate`: its latency and tokens (no first-token or per-token times)."""
+    start = time.perf_counter()
+    response = await http.post(target.generate_url(), json={"inputs": PROMPT, "parameters": parameters},
+                               headers={"Authorization": f"Bearer {target.token}"})
+    if response.status_code != 200:
+        return Sample(error=f"{response.status_code} {response.json().get('error_type', '')}")
+    return Sample(latency_s=time.perf_counter() - start, num_tokens=int(response.headers["x-generated-tokens"]))
+
+
 async def run_level(target: Target, concurrency: int, num_requests: int, max_new_tokens: int,
-                    pick_adapter) -> LevelReport:
+                    pick_adapter, whole: bool = False) -> LevelReport:
     queue: asyncio.Queue[str | None] = asyncio.Queue()
     for _ in range(num_requests):
         queue.put_nowait(pick_adapter())
@@ -117,7 +133,7 @@ async def run_level(target: Target, concurrency: int, num_requests: int, max_new
             while not queue.empty():
                 adapter_id = queue.get_nowait()
                 try:
-                    samples.append(await one_request(http, target, max_new_tokens, adapter_id))
+                    samples.append(await one_request(http, target, max_new_tokens, adapter_id, whole))
                 except httpx.HTTPError as error:
                     samples.append(Sample(error=type(error).__name__))
 
@@ -220,6 +236,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--adapters", default="", help="comma-separated adapter ids; empty: base model")
     parser.add_argument("--distribution", choices=("uniform", "zipf"), default="uniform")
+    parser.add_argument("--whole", action="store_true",
+                        help="non-streamed generate requests (latency only: no first-token or per-token times)")
     parser.add_argument("--zipf-s", type=float, default=1.1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model")
@@ -246,7 +264,8 @@ def main(argv: list[str] | None = None) -> None:
     reports = []
     with server as target:
         for level in levels:
-            report = asyncio.run(run_level(target, level, max(args.requests, level), args.max_new_tokens, pick))
+            report = asyncio.run(run_level(target, level, max(args.requests, level), args.max_new_tokens, pick,
+                                           args.whole))
             logger.info("concurrency %3d: %7.1f tok/s  ttft p50 %7.1f ms p99 %7.1f ms  tpot p50 %6.1f ms "
                         "p99 %6.1f ms  errors %s", level, report.output_tokens_per_s, report.ttft_ms["p50"],
                         report.ttft_ms["p99"], report.tpot_ms["p50"], report.tpot_ms["p99"], report.errors)

@@ -118,6 +118,7 @@ class RemoteEngine:
         self._engine = engine
         self._directory = directory
         self._reports: tuple[ReplicaReport, ...] = ()
+        self._fetched_at = 0.0  # time.monotonic() of the last read of the directory
         self._poller: asyncio.Task | None = None
 
     @property
@@ -126,7 +127,7 @@ class RemoteEngine:
         return self._poller is not None and not self._poller.done() and bool(self.reports())
 
     async def start(self) -> None:
-        self._reports = tuple(await self._directory.reports.remote(REPORT_MAX_AGE_S))
+        await self._fetch_reports()
         self._poller = asyncio.create_task(self._poll())
 
     async def shutdown(self, deadline_s: float = 10.0) -> None:
@@ -157,18 +158,22 @@ class RemoteEngine:
         return RemoteStream(response, first)
 
     def reports(self) -> tuple[ReplicaReport, ...]:
-        """The replicas that reported within `REPORT_MAX_AGE_S`, as they last did."""
-        now = time.time()
-        return tuple(report for report in self._reports if now - report.published_at <= REPORT_MAX_AGE_S)
+        """The replicas that reported within `REPORT_MAX_AGE_S`, as they last did; none once the
+        directory itself has not answered for that long."""
+        return self._reports if time.monotonic() - self._fetched_at <= REPORT_MAX_AGE_S else ()
 
     def stats(self) -> EngineStats:
         return sum_stats(report.stats for report in self.reports())
+
+    async def _fetch_reports(self) -> None:
+        self._reports = tuple(await self._directory.reports.remote(REPORT_MAX_AGE_S))
+        self._fetched_at = time.monotonic()
 
     async def _poll(self) -> None:
         while True:
             await asyncio.sleep(REPORT_INTERVAL_S)
             try:
-                self._reports = tuple(await self._directory.reports.remote(REPORT_MAX_AGE_S))
+                await self._fetch_reports()
             except Exception as error:  # the directory restarting: keep the last reports until they age
                 logger.warning("replica reports unavailable: %s", error)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -113,13 +114,14 @@ class ReplicaDirectory:
     its health and `GET /cluster`."""
 
     def __init__(self) -> None:
-        self._reports: dict[str, ReplicaReport] = {}
+        self._reports: dict[str, tuple[ReplicaReport, float]] = {}  # replica id -> (report, received at)
 
     def publish(self, report: ReplicaReport) -> None:
-        self._reports[report.replica_id] = report
+        self._reports[report.replica_id] = (report, time.monotonic())
 
     def reports(self, max_age_s: float) -> list[ReplicaReport]:
-        """The reports published within `max_age_s`; older ones (replicas gone) are forgotten."""
-        now = time.time()
-        self._reports = {rid: r for rid, r in self._reports.items() if now - r.published_at <= max_age_s}
-        return sorted(self._reports.values(), key=lambda report: report.replica_id)
+        """The reports received within `max_age_s`, with their age; older ones (replicas gone) are forgotten."""
+        now = time.monotonic()
+        self._reports = {rid: entry for rid, entry in self._reports.items() if now - entry[1] <= max_age_s}
+        return [dataclasses.replace(report, age_s=now - received)
+                for report, received in sorted(self._reports.values(), key=lambda entry: entry[0].replica_id)]

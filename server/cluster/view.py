@@ -6,7 +6,6 @@ tenant sees its own (docs/api.md section 1)."""
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Iterator
 
 from fastapi import APIRouter, FastAPI, Request
@@ -52,9 +51,8 @@ def install(app: FastAPI, engine: RemoteEngine) -> None:
 
 
 def cluster_view(reports: tuple[ReplicaReport, ...], viewer: str | None) -> ClusterView:
-    now = time.time()
     return ClusterView(replicas=[
-        ReplicaView(replica_id=report.replica_id, report_age_s=round(now - report.published_at, 3),
+        ReplicaView(replica_id=report.replica_id, report_age_s=round(report.age_s, 3),
                     num_running=report.stats.num_running, num_waiting=report.stats.num_waiting,
                     kv_cache_usage_ratio=report.stats.kv_cache_usage_ratio,
                     num_finished_requests=report.stats.num_finished_requests,

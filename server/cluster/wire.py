@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from lora_runtime.adapters.refs import AdapterKey
 from lora_runtime.async_engine import EngineStats
@@ -31,12 +30,13 @@ class Failed:
 @dataclass(frozen=True, slots=True)
 class ReplicaReport:
     """A replica's state as it published it: its engine's stats and the adapters its host cache holds
-    (the cluster view of `GET /cluster`)."""
+    (the cluster view of `GET /cluster`). `age_s` is set by the directory as it hands the report out:
+    seconds since it received it, on its own clock (replicas' clocks may differ)."""
 
     replica_id: str
     stats: EngineStats
     cached_adapters: tuple[AdapterKey, ...]
-    published_at: float = field(default_factory=time.time)
+    age_s: float = 0.0
 
 
 def adapter_model_id(key: AdapterKey) -> str:

@@ -6,9 +6,7 @@ import importlib
 from pathlib import Path
 
 import pytest
-
-yaml = pytest.importorskip("yaml")
-pytest.importorskip("ray", reason="the cluster extra is not installed: pip install .[cluster]")
+import yaml
 
 CONFIG = Path(__file__).resolve().parents[2] / "docs" / "serve-config.yaml"
 

@@ -14,15 +14,16 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from lora_runtime.config import AdapterConfig, EngineConfig, KVCacheConfig
-from lora_runtime.engine_info import EngineInfo
-from server.adapter_sources import AdapterServices, adapter_services
 from server.config import ServerConfig
 from server.db import Database
-from server.demo import register_demo_adapters
-from server.deployments import read_deployments_file, register_deployments
 from server.tenancy import create_tenant, create_token, list_tenants
+
+if TYPE_CHECKING:  # the engine's modules import torch: `python -m server tokens ...` does without
+    from lora_runtime.config import EngineConfig
+    from lora_runtime.engine_info import EngineInfo
+    from server.adapter_sources import AdapterServices
 
 logger = logging.getLogger("server")
 DEMO_TENANT = "demo"
@@ -98,6 +99,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
+    from lora_runtime.config import AdapterConfig, EngineConfig, KVCacheConfig
+
     options = (("model", args.model), ("dtype", args.dtype), ("device", args.device))
     engine_options = {key: value for key, value in options if value is not None}
     # Requests never name server paths: `local` is the configured adapter directory or nothing.
@@ -123,6 +126,10 @@ def ensure_demo_tenant(database: Database, data_dir: Path) -> str | None:
 def prepare_service(config: ServerConfig, database: Database, engine: EngineInfo) -> AdapterServices:
     """The database ready to serve `engine`'s model: on a first start tenant `demo`, its token and the
     demo adapters (announced on the terminal); every start, the deployments. Returns the registry."""
+    from server.adapter_sources import adapter_services
+    from server.demo import register_demo_adapters
+    from server.deployments import read_deployments_file, register_deployments
+
     demo_token = ensure_demo_tenant(database, config.data_dir)
     if config.metrics_tenant is not None and config.metrics_tenant not in list_tenants(database):
         logger.warning("--metrics-tenant %s is no tenant yet: /metrics answers 403 to every token until "

@@ -146,3 +146,13 @@ def test_tenancy_on_postgresql_through_database_url(postgres_url: str, tmp_path:
                 session.add(TokenRow(tenant="nobody", token_sha256="1" * 64))
     finally:
         database.dispose()
+
+
+def test_the_command_line_imports_no_engine_before_it_serves() -> None:
+    """`python -m server tokens create` / `tenants list` answer at once: torch is imported only by
+    the code that starts an engine."""
+    import subprocess
+    import sys
+
+    check = "import sys, server.__main__, server.launch; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", check], check=False).returncode == 0

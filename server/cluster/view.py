@@ -21,6 +21,7 @@ from server.routes.openapi import error_responses
 from server.routes.service import metrics_viewer
 from server.state import server_state
 
+
 class ReplicaView(BaseModel):
     replica_id: str
     report_age_s: float

@@ -27,12 +27,7 @@ from server.cluster.remote import RemoteEngine
 from server.cluster.replica import EngineReplica, ReplicaDirectory
 from server.config import ServerConfig
 from server.db import open_database
-from server.launch import (
-    add_service_options,
-    engine_config,
-    prepare_service,
-    server_config,
-)
+from server.launch import add_service_options, engine_config, prepare_service, server_config
 from server.registry.models import RegistryBase
 
 APP_NAME = "lora"

@@ -33,12 +33,14 @@ _IMPOSSIBLE = {"float32": 768e9, "bfloat16": 1536e9}
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_instruction_peak_is_at_least_what_a_real_matmul_reaches(dtype: str) -> None:
-    """A probe that left the instruction's latency exposed would report less than the matmul library
-    reaches with the same instruction; one whose chains the compiler merged would report many times
-    the hardware's rate."""
+    """A probe that left the instruction's latency exposed would report a fraction of what the
+    matmul library reaches with the same instruction (one dependent chain of a 4-cycle instruction
+    issued twice a cycle: 1/8); one whose chains the compiler merged would report many times the
+    hardware's rate. The margin (0.75) is for the other test worker loading the machine during one
+    measurement and not the other."""
     peak = instruction_peak(dtype, tries=5, iterations=4_000_000)
     if peak is None:
         pytest.skip(f"no {dtype} instruction peak to probe with this CPU's compiled ops")
     library = measure_rates(hidden=576, intermediate=1536, dtype=getattr(torch, dtype), tries=2).matmul_flops_per_s
     ceiling = _IMPOSSIBLE[dtype] * (16 if probe_kind(dtype) == "amx_bf16" else 1)
-    assert 0.9 * library <= peak < ceiling
+    assert 0.75 * library <= peak < ceiling

@@ -113,3 +113,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         serve.shutdown()
         ray.shutdown()
         postgres.stop()
+
+
+@pytest.fixture(scope="session")
+def live(cluster: Cluster) -> Cluster:
+    """The cluster under the name the single server's tests use, for those run here unchanged."""
+    return cluster

@@ -1,12 +1,12 @@
 """The single server's client tests (tests/server/test_clients.py: lorax-client, text-generation and
 ours, answers and typed errors) run unchanged against the cluster's ingress, `live` being the
-cluster. Left out: the overload test, which fills the in-process engine's admission directly (the
+cluster (tests/cluster/conftest.py). Left out: the overload test, which fills the in-process engine's admission directly (the
 cluster's 429 is tests/cluster/test_cluster.py's)."""
 from __future__ import annotations
 
 import pytest
 
-from tests.cluster.conftest import GROUP, Cluster
+from tests.cluster.conftest import GROUP
 from tests.server.test_clients import (  # noqa: F401  (collected here: tests and their fixture)
     reference,
     test_lorax_async_client,
@@ -19,8 +19,3 @@ from tests.server.test_clients import (  # noqa: F401  (collected here: tests an
 )
 
 pytestmark = [GROUP, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def live(cluster: Cluster) -> Cluster:
-    return cluster

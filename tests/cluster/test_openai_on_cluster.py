@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cluster.conftest import GROUP, Cluster
+from tests.cluster.conftest import GROUP
 from tests.server.test_openai import (  # noqa: F401  (collected here)
     test_chat_equals_the_tgi_route_with_the_chat_template,
     test_chat_logprobs_are_the_tgi_logprobs_with_their_top_alternatives,
@@ -21,8 +21,3 @@ from tests.server.test_openai import (  # noqa: F401  (collected here)
 )
 
 pytestmark = [GROUP, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def live(cluster: Cluster) -> Cluster:
-    return cluster

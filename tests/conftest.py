@@ -38,3 +38,14 @@ def pytest_terminal_summary(terminalreporter) -> None:
     terminalreporter.write_sep("-", "compiled CPU op forms")
     for line in lines:
         terminalreporter.write_line(line)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Fail, before its fixtures start, a grouped test that `--dist loadgroup` did not group: tests
+    of one xdist_group share a session fixture (a server, a Ray cluster) and assume they are its
+    only users; spread over two workers, each starts its own and they load each other's machine."""
+    if getattr(item.config.option, "loadgroup", False) and item.get_closest_marker("xdist_group") \
+            and "@" not in item.nodeid:
+        pytest.fail("pytest-xdist did not apply --dist loadgroup: this pytest and pytest-xdist do not "
+                    "work together (see requirements.txt)", pytrace=False)

@@ -90,9 +90,11 @@ class RemoteStream:
             item = await _next_item(self._response)
         except StopAsyncIteration:
             item = Failed(ReplicaUnavailableError("the engine replica ended the request without an answer"))
-        except BaseException:
+        except EngineError:  # the replica is gone: nothing left to abort
             self._done = True
             raise
+        # Anything else (the caller cancelled: its client left) leaves the request running on the
+        # replica until `abort` cancels it there.
         if isinstance(item, Failed):
             self._done = True
             raise item.error

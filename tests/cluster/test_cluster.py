@@ -128,6 +128,36 @@ def test_a_client_leaving_aborts_its_request_on_the_replica(cluster: Cluster) ->
     _wait_until_idle(cluster)
 
 
+def test_a_read_cancelled_mid_stream_leaves_the_request_for_abort_to_end(cluster: Cluster) -> None:
+    """How a client's leaving reaches the ingress: its task is cancelled while it awaits the next
+    token. `abort` must still cancel the request on its replica; the stream stays referenced here,
+    so that nothing else (Ray dropping an unreferenced stream) can end it."""
+    from ray import serve
+
+    from lora_runtime.core import SamplingParams
+    from server.cluster.app import APP_NAME
+    from server.cluster.remote import RemoteEngine
+
+    async def run() -> tuple[object, bool]:
+        engines = serve.get_deployment_handle("EngineReplica", APP_NAME)
+        engine = RemoteEngine(engines, serve.get_deployment_handle("ReplicaDirectory", APP_NAME),
+                              await engines.info.remote())
+        stream = await engine.add_request("Once upon a time", SamplingParams(max_new_tokens=4000, ignore_eos_token=True))
+        for _ in range(100):  # until a read is cancelled while it waits (not after its token came)
+            reader = asyncio.create_task(anext(stream))
+            await asyncio.sleep(0)
+            reader.cancel()
+            try:
+                await reader
+            except asyncio.CancelledError:
+                return stream, await stream.abort()
+        pytest.fail("every read had its token before it could be cancelled")
+
+    stream, aborted = asyncio.run(run())
+    assert aborted
+    _wait_until_idle(cluster, stream.replica_id)
+
+
 def test_metrics_show_each_replica(cluster: Cluster) -> None:
     text = httpx.get(f"{cluster.base_url}/metrics", headers=cluster.headers(), timeout=30).text
     replicas = {r["replica_id"] for r in cluster.replicas()}

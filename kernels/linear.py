@@ -10,7 +10,11 @@ fastest matmul. `Backend.linear(weight, bias)` picks the form; each is a callabl
   uses PyTorch's private `mkldnn` ops: measured 1.3-2x faster than `F.linear` on the same bf16
   tensors at 96-300 rows on the AMX machine).
 Semantics of the compiled matmuls: `x @ weight.T` accumulated in float32 and rounded to x's dtype
-once (`kernels.reference.linear`)."""
+once (`kernels.reference.linear`).
+
+Every form takes the `Reads` of the op that follows the projection: the compiled matmuls request
+them into cache while they compute (they are bound by arithmetic, the LoRA op and decode attention
+by reading adapter pages and the KV cache from memory); the library matmuls ignore them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,13 +31,28 @@ KINDS = ("amx", "avx512_bf16", "f32")
 KIND_DTYPES = {"amx": torch.bfloat16, "avx512_bf16": torch.bfloat16, "f32": torch.float32}
 
 
+@dataclass(frozen=True, slots=True)
+class Reads:
+    """Pages an op reads: page ids `pages[j]` (1-D int64) of `pools[j]` (a contiguous CPU tensor, its
+    pages along dim 0)."""
+
+    pools: tuple[torch.Tensor, ...] = ()
+    pages: tuple[torch.Tensor, ...] = ()
+
+    def __add__(self, other: Reads) -> Reads:
+        return Reads(self.pools + other.pools, self.pages + other.pages)
+
+
+NO_READS = Reads()
+
+
 class PlainLinear:
     __slots__ = ("weight", "bias")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight, self.bias = weight, bias
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, reads: Reads = NO_READS) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
 
@@ -46,7 +65,7 @@ class OneDNNLinear:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, tuning.ONEDNN_PACKING_ROWS)
         self.bias = bias
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, reads: Reads = NO_READS) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
@@ -70,13 +89,13 @@ class CompiledLinear:
         self.compiled = compiled
         self.large = OneDNNLinear(weight) if compiled.max_rows is not None else None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, reads: Reads = NO_READS) -> torch.Tensor:
         if self.large is not None and x.shape[0] > self.compiled.max_rows:
             return self.large(x)
-        return linear_packed(x, self.compiled)
+        return linear_packed(x, self.compiled, reads)
 
 
-LinearWeight = PlainLinear | OneDNNLinear | CompiledLinear  # each a callable x [M, in] -> [M, out]
+LinearWeight = PlainLinear | OneDNNLinear | CompiledLinear  # each a callable (x [M, in], reads) -> [M, out]
 
 
 def available_kinds() -> list[str]:
@@ -115,10 +134,11 @@ def pack_linear_weight(weight: torch.Tensor, kind: str | None = None) -> PackedL
     return PackedLinear(kind, blocks.permute(0, 2, 1, 3).contiguous(), out_features, None)
 
 
-def linear_packed(x: torch.Tensor, weight: PackedLinear) -> torch.Tensor:
-    """x [M, K] @ the packed [N, K] weight's transpose -> [M, N], in the kernel's dtype."""
+def linear_packed(x: torch.Tensor, weight: PackedLinear, reads: Reads = NO_READS) -> torch.Tensor:
+    """x [M, K] @ the packed [N, K] weight's transpose -> [M, N], in the kernel's dtype, requesting
+    `reads` into cache meanwhile."""
     out = torch.empty(x.shape[0], weight.out_features, dtype=KIND_DTYPES[weight.kind])
     ops = cpu_ops.ops()
     run = {"amx": ops.amx_linear, "avx512_bf16": ops.bf16_linear, "f32": ops.f32_linear}[weight.kind]
-    run(out, x.contiguous(), weight.packed)
+    run(out, x.contiguous(), weight.packed, list(reads.pools), list(reads.pages))
     return out

@@ -6,12 +6,17 @@ from typing import Protocol
 
 import torch
 
+from kernels.linear import Reads
+
 
 class LoraBatch(Protocol):
     """Adds each token's adapter delta to a projection's output (`adapters.page_tensors.LoraStep`)."""
 
     def apply(self, layer_idx: int, projection: str, y: torch.Tensor, x: torch.Tensor) -> None:
         """y `[num_tokens, out]` += LoRA(x `[num_tokens, in]`) for projection qkv | o | gate_up | down."""
+
+    def reads(self, layer_idx: int, projection: str) -> Reads:
+        """The adapter pages `apply` will read there, for the projection's matmul to request."""
 
 
 @dataclass(frozen=True, slots=True)

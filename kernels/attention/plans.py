@@ -86,6 +86,7 @@ class CompiledAttentionPlan:
     query_start: torch.Tensor  # [B + 1] int32
     compiled_seqs: torch.Tensor | None  # [n] int64, the sequences the compiled op attends
     prefills: tuple[PrefillPlan, ...]  # the longer prefills, by matmuls
+    blocks_read: torch.Tensor  # [m] int64, the cache blocks the compiled op reads, sequence by sequence
 
     @classmethod
     def build(cls, step: StepSequences, has_vector_attention: bool) -> CompiledAttentionPlan:
@@ -98,6 +99,9 @@ class CompiledAttentionPlan:
             query_start=torch.tensor(step.query_start, dtype=torch.int32),
             compiled_seqs=torch.tensor(compiled, dtype=torch.int64) if compiled else None,
             prefills=_prefill_plans(step, by_matmul),
+            blocks_read=torch.tensor([block for b in compiled
+                                      for block in step.block_tables[b][: -(-step.seq_lens[b] // step.block_size)]],
+                                     dtype=torch.int64),
         )
 
 

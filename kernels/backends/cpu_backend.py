@@ -11,7 +11,7 @@ import torch
 from kernels.attention.plans import CompiledAttentionPlan, StepSequences
 from kernels.attention.torch_ops import attend_prefill
 from kernels.backends.torch_backend import TorchBackend
-from kernels.linear import CompiledLinear, pack_linear_weight
+from kernels.linear import NO_READS, CompiledLinear, Reads, pack_linear_weight
 from kernels.lora.layouts import LoraLayout, ModuleShape, TiledPages
 from kernels.lora.plans import CompiledLoraPlan, LoraSlice, PageTable, TorchLoraPlan
 
@@ -53,6 +53,11 @@ class CompiledCPUBackend(TorchBackend):
         for prefill in plan.prefills:
             attend_prefill(q, k_cache, v_cache, prefill, scale, out)
         return out
+
+    def attention_reads(self, k_cache, v_cache, plan: CompiledAttentionPlan) -> Reads:
+        if not k_cache.is_contiguous() or not v_cache.is_contiguous():
+            return NO_READS
+        return Reads((k_cache, v_cache), (plan.blocks_read, plan.blocks_read))
 
     def rotary_store_kv(self, qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads) -> None:
         if _same_dtype(qkv, cos, sin, k_cache, v_cache):
@@ -101,6 +106,13 @@ class CompiledCPUBackend(TorchBackend):
                                    [piece.b for piece in slices], [plan.ranks[piece.module] for piece in slices],
                                    [plan.page_tables[piece.module] for piece in slices],
                                    [piece.start for piece in slices])
+
+
+    def lora_reads(self, slices: Sequence[LoraSlice], plan: CompiledLoraPlan | TorchLoraPlan) -> Reads:
+        if isinstance(plan, TorchLoraPlan):
+            return NO_READS
+        pools = tuple(pool for piece in slices for pool in (piece.a, piece.b))
+        return Reads(pools, tuple(plan.pages_read[piece.module] for piece in slices for _ in range(2)))
 
 
 def _rows_of_one_dtype(first: torch.Tensor, *others: torch.Tensor) -> bool:

@@ -11,7 +11,7 @@ import torch
 from kernels import reference
 from kernels.attention.plans import StepSequences, TorchAttentionPlan
 from kernels.attention.torch_ops import paged_attention_torch, store_kv_torch
-from kernels.linear import PlainLinear
+from kernels.linear import NO_READS, PlainLinear, Reads
 from kernels.lora.layouts import LoraLayout, ModuleShape, RowPages
 from kernels.lora.plans import LoraSlice, PageTable, TorchLoraPlan
 from kernels.lora.torch_ops import add_lora_torch
@@ -41,6 +41,11 @@ class TorchBackend:
     def paged_attention(self, q, k_cache, v_cache, plan: TorchAttentionPlan, scale: float) -> torch.Tensor:
         return paged_attention_torch(q, k_cache, v_cache, plan, scale)
 
+    def attention_reads(self, k_cache, v_cache, plan) -> Reads:
+        """What `paged_attention` will read, for the projection before it to request (`kernels.linear`):
+        nothing here, whose matmuls do not take reads."""
+        return NO_READS
+
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         store_kv_torch(k, v, k_cache, v_cache, slot_mapping)
 
@@ -66,3 +71,7 @@ class TorchBackend:
 
     def add_lora(self, y, x, slices: Sequence[LoraSlice], plan: TorchLoraPlan) -> None:
         add_lora_torch(y, x, slices, plan)
+
+    def lora_reads(self, slices: Sequence[LoraSlice], plan) -> Reads:
+        """What `add_lora` will read (as `attention_reads`)."""
+        return NO_READS

@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "convert.h"
+#include "gemm_tiles.h"
 #include "ops.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -31,9 +32,11 @@ constexpr int64_t kPackedStep = 2 * 16 * 32;  // bf16 elements of the two B tile
 // Tiles 0-3: the output block's accumulators (row tile i, column tile j at 2 * i + j); 4-5: the two
 // row tiles of x; 6-7: the two column tiles of W.
 // While it multiplies, the block requests lines [first_line, end_line) of `upcoming` (the next
-// column block's weights) into cache, spread evenly over its k-steps.
+// column block's weights) into cache, spread evenly over its k-steps, and its share of the next op's
+// runs (`side`).
 void multiply_block(const uint16_t* a, int64_t lda_bytes, int64_t a_row_tile_offset, const uint16_t* b,
-                    int64_t k_steps, const char* upcoming, int64_t first_line, int64_t end_line, float* c) {
+                    int64_t k_steps, const char* upcoming, int64_t first_line, int64_t end_line, Prefetcher side,
+                    float* c) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -46,6 +49,7 @@ void multiply_block(const uint16_t* a, int64_t lda_bytes, int64_t a_row_tile_off
     const int64_t lines = end_line - first_line;
     for (int64_t line = first_line + ks * lines / k_steps; line < first_line + (ks + 1) * lines / k_steps; ++line)
       _mm_prefetch(upcoming + line * 64, _MM_HINT_T0);
+    side.step();
     const bool more = ks + 1 < k_steps;
     const uint16_t* next_a = a + (ks + 1) * kKStep;
     const uint16_t* next_b = b + (ks + 1) * kPackedStep;
@@ -82,7 +86,10 @@ void amx_linear(const LinearArgs& args, int64_t begin, int64_t end) {
   uint16_t* out = static_cast<uint16_t*>(args.out);
   configure_full_tiles();  // tile state is per thread: configure it in each range
   alignas(64) float block[kBlock * kBlock];
+  const int64_t groups = n / kBlock, side_total = args.fetch_lines;
+  RunCursor side = RunCursor::at(args.fetch_runs, side_total * begin / groups);
   for (int64_t nb = begin; nb < end; ++nb) {
+    const int64_t side_first = side_total * nb / groups, side_lines = side_total * (nb + 1) / groups - side_first;
     const uint16_t* b_block = packed + nb * k_steps * kPackedStep;
     // The next column block's weights are fetched while this one computes, spread over all its
     // row blocks, so that memory is busy the whole time (prefetching only a few k-steps ahead
@@ -90,8 +97,11 @@ void amx_linear(const LinearArgs& args, int64_t begin, int64_t end) {
     const char* upcoming = reinterpret_cast<const char*>(b_block + k_steps * kPackedStep);
     const int64_t upcoming_lines = nb + 1 < end ? k_steps * kPackedStep * 2 / 64 : 0;
     for (int64_t rb = 0; rb < row_blocks; ++rb) {
+      const int64_t side_begin = rb * side_lines / row_blocks, side_end = (rb + 1) * side_lines / row_blocks;
       multiply_block(x + rb * kBlock * k, k * 2, 16 * k, b_block, k_steps, upcoming,
-                     rb * upcoming_lines / row_blocks, (rb + 1) * upcoming_lines / row_blocks, block);
+                     rb * upcoming_lines / row_blocks, (rb + 1) * upcoming_lines / row_blocks,
+                     Prefetcher{nullptr, 0, k_steps, 0, side, side_end - side_begin}, block);
+      side.advance(side_end - side_begin);
       const int64_t valid_rows = std::min(kBlock, rows - rb * kBlock);
       for (int64_t r = 0; r < valid_rows; ++r) {
         uint16_t* out_row = out + (rb * kBlock + r) * n + nb * kBlock;

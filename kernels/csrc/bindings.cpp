@@ -298,25 +298,57 @@ void check_linear(const torch::Tensor& out, const torch::Tensor& x, const torch:
               "packed must be the contiguous packed form of an [N, K] weight of the kernel's dtype");
 }
 
-cpu_ops::LinearArgs linear_args(const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& packed, int64_t rows) {
-  return {x.data_ptr(), packed.data_ptr(), out.data_ptr(), rows, x.size(1), out.size(1)};
+// The pages the op after a matmul reads: page ids[j] of pools[j], each pool contiguous with its
+// pages along dim 0, as runs of 64-byte lines (prefetching cannot fault, but a page outside its pool
+// is a caller's mistake worth stopping).
+std::vector<cpu_ops::FetchRun> fetch_runs(const std::vector<torch::Tensor>& pools, const std::vector<torch::Tensor>& ids) {
+  TORCH_CHECK(pools.size() == ids.size(), "one page-id tensor per fetched pool");
+  std::vector<cpu_ops::FetchRun> runs;
+  for (size_t j = 0; j < pools.size(); ++j) {
+    const torch::Tensor& pool = pools[j];
+    const torch::Tensor& pages = ids[j];
+    TORCH_CHECK(pool.device().is_cpu() && pool.dim() >= 1 && pool.is_contiguous(), "fetched pools must be contiguous CPU tensors");
+    TORCH_CHECK(pages.dim() == 1 && pages.scalar_type() == at::kLong && pages.is_contiguous(), "page ids must be 1-D int64");
+    const int64_t page_bytes = pool.stride(0) * pool.element_size(), lines = (page_bytes + 63) / 64;
+    const char* base = static_cast<const char*>(pool.data_ptr());
+    const int64_t* page = pages.data_ptr<int64_t>();
+    for (int64_t i = 0; i < pages.numel(); ++i) {
+      TORCH_CHECK(page[i] >= 0 && page[i] < pool.size(0), "page id ", page[i], " lies outside its pool");
+      if (lines > 0) runs.push_back({base + page[i] * page_bytes, lines});
+    }
+  }
+  return runs;
 }
 
-void f32_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed) {
+template <typename Kernel, typename Groups>
+void run_linear(Kernel kernel, Groups groups, const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& packed,
+                int64_t rows, const std::vector<torch::Tensor>& fetch_pools, const std::vector<torch::Tensor>& fetch_pages) {
+  const std::vector<cpu_ops::FetchRun> runs = fetch_runs(fetch_pools, fetch_pages);
+  int64_t lines = 0;
+  for (const cpu_ops::FetchRun& run : runs) lines += run.lines;
+  const cpu_ops::LinearArgs args{x.data_ptr(), packed.data_ptr(), out.data_ptr(), rows, x.size(1), out.size(1),
+                                 runs.empty() ? nullptr : runs.data(), lines};
+  run_tasks(kernel, args, groups(out.size(1)), 1);
+}
+
+void f32_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, std::vector<torch::Tensor> fetch_pools,
+                std::vector<torch::Tensor> fetch_pages) {
   check_linear(out, x, packed, at::kFloat);
   TORCH_CHECK(out.size(1) % 16 == 0, "N must be a multiple of 16");
   TORCH_CHECK(table().f32_linear != nullptr, "the active form has no float32 matmul");
-  run_tasks(table().f32_linear, linear_args(out, x, packed, x.size(0)), table().f32_linear_groups(out.size(1)), 1);
+  run_linear(table().f32_linear, table().f32_linear_groups, out, x, packed, x.size(0), fetch_pools, fetch_pages);
 }
 
-void bf16_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed) {
+void bf16_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, std::vector<torch::Tensor> fetch_pools,
+                 std::vector<torch::Tensor> fetch_pages) {
   check_linear(out, x, packed, at::kBFloat16);
   TORCH_CHECK(x.size(1) % 2 == 0 && out.size(1) % 16 == 0, "K must be even and N a multiple of 16");
   TORCH_CHECK(table().bf16_linear != nullptr, "the active form has no AVX512-BF16 matmul");
-  run_tasks(table().bf16_linear, linear_args(out, x, packed, x.size(0)), table().bf16_linear_groups(out.size(1)), 1);
+  run_linear(table().bf16_linear, table().bf16_linear_groups, out, x, packed, x.size(0), fetch_pools, fetch_pages);
 }
 
-void amx_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed) {
+void amx_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, std::vector<torch::Tensor> fetch_pools,
+                std::vector<torch::Tensor> fetch_pages) {
   check_linear(out, x, packed, at::kBFloat16);
   TORCH_CHECK(x.size(1) % 32 == 0 && out.size(1) % 32 == 0, "K and N must be multiples of 32");
   TORCH_CHECK(table().amx_linear != nullptr, "the active form has no AMX matmul");
@@ -326,7 +358,7 @@ void amx_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed) {
     padded = torch::zeros({padded_rows, x.size(1)}, x.options());
     padded.narrow(0, 0, rows).copy_(x);
   }
-  run_tasks(table().amx_linear, linear_args(out, padded, packed, rows), table().amx_linear_groups(out.size(1)), 1);
+  run_linear(table().amx_linear, table().amx_linear_groups, out, padded, packed, rows, fetch_pools, fetch_pages);
 }
 
 double peak_flops(const std::string& kind, int64_t iterations, double seed) {
@@ -351,8 +383,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention);
   m.def("max_logsumexp", &max_logsumexp);
   m.def("lora_segments", &lora_segments);
-  m.def("f32_linear", &f32_linear);
-  m.def("bf16_linear", &bf16_linear);
-  m.def("amx_linear", &amx_linear);
+  m.def("f32_linear", &f32_linear, py::arg("out"), py::arg("x"), py::arg("packed"),
+        py::arg("fetch_pools") = std::vector<torch::Tensor>{}, py::arg("fetch_pages") = std::vector<torch::Tensor>{});
+  m.def("bf16_linear", &bf16_linear, py::arg("out"), py::arg("x"), py::arg("packed"),
+        py::arg("fetch_pools") = std::vector<torch::Tensor>{}, py::arg("fetch_pages") = std::vector<torch::Tensor>{});
+  m.def("amx_linear", &amx_linear, py::arg("out"), py::arg("x"), py::arg("packed"),
+        py::arg("fetch_pools") = std::vector<torch::Tensor>{}, py::arg("fetch_pages") = std::vector<torch::Tensor>{});
   m.def("peak_flops", &peak_flops);
 }

@@ -19,6 +19,7 @@
 #include <cstring>
 
 #include "convert.h"
+#include "kernel_table.h"
 #include "lora_serve_tuning.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -56,14 +57,42 @@ struct BlockPages {
   int64_t page_steps;
 };
 
-// Requests `lines` lines from `next` over `steps` steps, `credit` carrying the remainder: integer
-// steps, not a division per step. `lines` = 0: nothing to fetch.
+// A position in a list of runs (LinearArgs::fetch_runs) whose lines are requested one by one, into
+// L2: the op after the matmul reads them, the matmul's own tiles must keep L1. Each tile gets its own
+// copy, at its share's first line: nothing in a tile's loop writes through a pointer.
+struct RunCursor {
+  const FetchRun* run = nullptr;
+  int64_t line = 0;
+
+  // The cursor at line `index` of the runs (index < their total lines).
+  static RunCursor at(const FetchRun* runs, int64_t index) {
+    RunCursor cursor{runs, 0};
+    cursor.advance(index);
+    return cursor;
+  }
+
+  void advance(int64_t lines) {
+    for (line += lines; run != nullptr && line > 0 && line >= run->lines;) line -= (run++)->lines;
+  }
+
+  __attribute__((always_inline)) inline void fetch_one() {
+    __builtin_prefetch(run->start + 64 * line, 0, 2);
+    if (++line == run->lines) ++run, line = 0;
+  }
+};
+
+// Requests `lines` lines from `next` (into L1: the matmul's next weights) and `side_lines` lines of
+// `side` over `steps` steps, each credit carrying its remainder: integer steps, not a division per
+// step. 0 lines: nothing to fetch.
 struct Prefetcher {
   const char* next = nullptr;
   int64_t lines = 0, steps = 1, credit = 0;
+  RunCursor side{};
+  int64_t side_lines = 0, side_credit = 0;
 
-  inline void step() {
+  __attribute__((always_inline)) inline void step() {
     for (credit += lines; credit >= steps; credit -= steps, next += 64) __builtin_prefetch(next, 0, 3);
+    for (side_credit += side_lines; side_credit >= steps; side_credit -= steps) side.fetch_one();
   }
 };
 

@@ -14,7 +14,7 @@ namespace cpu_ops {
 
 // Bumped whenever a struct below or the table changes: a form library built from other sources is
 // refused by the bindings instead of being called with the wrong layout.
-constexpr int32_t kAbiVersion = 6;
+constexpr int32_t kAbiVersion = 7;
 
 enum class DType : int32_t { f32 = 0, bf16 = 1, f16 = 2 };
 
@@ -109,11 +109,22 @@ struct LoraArgs {
 
 // Column groups [begin, end) of out [rows, n] = x [rows, k] @ W.T, float32 sums rounded once to the
 // kernel's dtype (float32 or bf16 in and out), W packed by kernels.linear in the kernel's layout.
+// While it computes, a matmul requests into cache the memory the next op will read (`fetch_runs`,
+// `fetch_lines` lines of 64 bytes in all, none if 0), spread evenly over its column groups: the
+// matmul is bound by arithmetic, the ops after it (LoRA over adapter pages, attention over the KV
+// cache) by reading memory, which then comes from cache.
+struct FetchRun {
+  const char* start;
+  int64_t lines;
+};
+
 struct LinearArgs {
   const void* x;
   const void* packed;
   void* out;
   int64_t rows, k, n;
+  const FetchRun* fetch_runs;
+  int64_t fetch_lines;
 };
 
 // A compiled-in tuning constant (kernels/tuning.py's CPU_KERNEL_CONSTANTS, generated into the build).

@@ -11,7 +11,8 @@
 //
 // Column groups (kGroupBlocks blocks of 16 output columns) are the outer loop, the tasks of the
 // thread pool: a group's weights are read from memory once and from cache by its other row tiles,
-// and the next group's weights are requested while this one computes.
+// and the next group's weights are requested while this one computes, as is a share of the memory
+// the op after the matmul reads (`LinearArgs::fetch_runs`).
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
@@ -25,22 +26,32 @@
 namespace cpu_ops {
 namespace {
 
-// The shared loop over column groups and row tiles; `tile(rows, blocks, x_rows, b_group, fetch, c)`
-// computes one tile into the float buffer c [kRows, kGroup * 16], `store(row, first_column, c_row,
-// width)` writes one row of it out.
+// The shared loop over column groups and row tiles; `tile(rows, blocks, first_row, first_block, fetch,
+// c)` computes one tile into the float buffer c [kRows, kGroup * 16] while `fetch` requests its share
+// of the next group's weights and of the runs the next op reads, `store(row, first_column, c_row,
+// width)` writes one row of it out. Shares are by group index, so each thread's range requests its
+// own part of the runs.
 template <int kRows, int kGroup, typename Tile, typename Store>
-void for_each_tile(int64_t rows, int64_t n, int64_t block_bytes, int64_t begin, int64_t end, Tile tile, Store store) {
-  const int64_t blocks = n / kBlockColumns, row_tiles = (rows + kRows - 1) / kRows;
+void for_each_tile(const LinearArgs& args, int64_t block_bytes, int64_t steps, int64_t begin, int64_t end, Tile tile,
+                   Store store) {
+  const int64_t blocks = args.n / kBlockColumns, row_tiles = (args.rows + kRows - 1) / kRows;
+  const int64_t groups = (blocks + kGroup - 1) / kGroup, side_total = args.fetch_lines;
+  RunCursor side = RunCursor::at(args.fetch_runs, side_total * begin / groups);
   alignas(64) float c[kRows * kGroup * kBlockColumns];
   constexpr int64_t ldc = kGroup * kBlockColumns;
   for (int64_t group = begin; group < end; ++group) {
     const int64_t first_block = group * kGroup, group_blocks = std::min<int64_t>(kGroup, blocks - first_block);
     const int64_t next_blocks = group + 1 < end ? std::min<int64_t>(kGroup, blocks - first_block - group_blocks) : 0;
     const int64_t upcoming_lines = next_blocks * block_bytes / 64;
+    const char* upcoming = static_cast<const char*>(args.packed) + (first_block + group_blocks) * block_bytes;
+    const int64_t side_first = side_total * group / groups, side_lines = side_total * (group + 1) / groups - side_first;
     for (int64_t rt = 0; rt < row_tiles; ++rt) {
-      const int tile_rows = static_cast<int>(std::min<int64_t>(kRows, rows - rt * kRows));
+      const int tile_rows = static_cast<int>(std::min<int64_t>(kRows, args.rows - rt * kRows));
       const int64_t first_line = rt * upcoming_lines / row_tiles, end_line = (rt + 1) * upcoming_lines / row_tiles;
-      tile(tile_rows, static_cast<int>(group_blocks), rt * kRows, first_block, first_line, end_line - first_line, c);
+      const int64_t side_begin = rt * side_lines / row_tiles, side_end = (rt + 1) * side_lines / row_tiles;
+      const Prefetcher fetch{upcoming + 64 * first_line, end_line - first_line, steps, 0, side, side_end - side_begin};
+      side.advance(side_end - side_begin);
+      tile(tile_rows, static_cast<int>(group_blocks), rt * kRows, first_block, fetch, c);
       for (int r = 0; r < tile_rows; ++r) store(rt * kRows + r, first_block * kBlockColumns, c + r * ldc, group_blocks * kBlockColumns);
     }
   }
@@ -55,10 +66,9 @@ void linear(const LinearArgs& args, int64_t begin, int64_t end) {
   W* out = static_cast<W*>(args.out);
   const int64_t k = args.k, block_elements = k * kBlockColumns, steps = kFloat ? k : k / 2;
   for_each_tile<kRows, kBlocks>(
-      args.rows, args.n, block_elements * static_cast<int64_t>(sizeof(W)), begin, end,
-      [&](int rows, int blocks, int64_t first_row, int64_t first_block, int64_t first_line, int64_t lines, float* c) {
+      args, block_elements * static_cast<int64_t>(sizeof(W)), steps, begin, end,
+      [&](int rows, int blocks, int64_t first_row, int64_t first_block, const Prefetcher& fetch, float* c) {
         const W* b = packed + first_block * block_elements;
-        const Prefetcher fetch{reinterpret_cast<const char*>(b + blocks * block_elements) + 64 * first_line, lines, steps};
         const W* block_starts[kBlocks];
         for (int v = 0; v < blocks; ++v) block_starts[v] = b + v * block_elements;
         const BlockPages<W> weights{block_starts, 1, steps};

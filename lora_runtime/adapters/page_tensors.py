@@ -11,13 +11,14 @@ it was before and not overwritten since is not written again, and one whose page
 another is."""
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
 import itertools
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 import kernels
+from kernels.linear import NO_READS, Reads
 from kernels.lora.layouts import PAGE_ROWS, LoraLayout, ModuleShape, pages_for_rank, write_tiles
 from kernels.lora.plans import LoraSlice, PageTable
 from lora_runtime.adapters.loader import LoadedAdapter
@@ -148,4 +149,9 @@ class LoraStep:
     def apply(self, layer_idx: int, projection: str, y: torch.Tensor, x: torch.Tensor) -> None:
         if projection in self.targeted:
             self.backend.add_lora(y, x, self.tensors.slices(layer_idx, projection), self.plan)
+
+    def reads(self, layer_idx: int, projection: str) -> Reads:
+        if projection not in self.targeted:
+            return NO_READS
+        return self.backend.lora_reads(self.tensors.slices(layer_idx, projection), self.plan)
 

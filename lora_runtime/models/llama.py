@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels.linear import LinearWeight
+from kernels.linear import NO_READS, LinearWeight, Reads
 from lora_runtime.forward_batch import ForwardBatch
 from lora_runtime.layers.rotary import RotaryEmbedding
 from lora_runtime.models.architectures import ModelShape
@@ -87,8 +87,9 @@ class LlamaModel:
         self, layer_idx: int, layer: LayerWeights, x: torch.Tensor, batch: ForwardBatch, kv_cache: KVCacheTensors
     ) -> torch.Tensor:
         shape = self.shape
-        qkv = self._project(layer_idx, "qkv", x, layer.qkv, batch)
         key_cache, value_cache = kv_cache.key[layer_idx], kv_cache.value[layer_idx]
+        cache_reads = self.backend.attention_reads(key_cache, value_cache, batch.attention)
+        qkv = self._project(layer_idx, "qkv", x, layer.qkv, batch, cache_reads)
         self.backend.rotary_store_kv(qkv, batch.positions, self.rotary.cos, self.rotary.sin, key_cache, value_cache,
                                 batch.slot_mapping, shape.num_heads, shape.num_kv_heads)
         q = qkv[:, : shape.q_size].unflatten(-1, (shape.num_heads, shape.head_dim))
@@ -100,8 +101,12 @@ class LlamaModel:
         return self._project(layer_idx, "down", self.backend.silu_and_mul(gate_up), layer.down, batch)
 
     @staticmethod
-    def _project(layer_idx: int, projection: str, x: torch.Tensor, linear: LinearWeight, batch: ForwardBatch) -> torch.Tensor:
-        y = linear(x)
-        if batch.lora is not None:
-            batch.lora.apply(layer_idx, projection, y, x)
+    def _project(layer_idx: int, projection: str, x: torch.Tensor, linear: LinearWeight, batch: ForwardBatch,
+                 reads: Reads = NO_READS) -> torch.Tensor:
+        """The projection, and its adapters' deltas; its matmul requests the pages those (and the op
+        that follows, `reads`) will read while it computes."""
+        if batch.lora is None:
+            return linear(x, reads)
+        y = linear(x, reads + batch.lora.reads(layer_idx, projection))
+        batch.lora.apply(layer_idx, projection, y, x)
         return y

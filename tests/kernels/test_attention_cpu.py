@@ -90,6 +90,9 @@ def test_compiled_plan_leaves_long_prefills_to_matmuls(monkeypatch) -> None:
     plan = CompiledAttentionPlan.build(step, has_vector_attention=False)
     # 30 x 30 and 12 x 70 exceed the work bound; 4 x 9 and the decodes stay compiled.
     assert plan.compiled_seqs.tolist() == [0, 2, 3]
+    # The blocks the compiled op reads (the ones its projection requests), up to each context's end.
+    used = [block for b in (0, 2, 3) for block in step.block_tables[b][: -(-step.seq_lens[b] // step.block_size)]]
+    assert plan.blocks_read.tolist() == used and len(used) == 10 + 3 + 1
     assert [prefill.row_start for prefill in plan.prefills] == [1, 36]
 
 

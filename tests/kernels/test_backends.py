@@ -7,6 +7,7 @@ import torch
 import kernels
 from kernels import cpu_ops
 from kernels.attention.plans import CompiledAttentionPlan, TorchAttentionPlan, TritonAttentionPlan
+from kernels.linear import NO_READS
 
 
 def test_a_device_gets_one_backend_chosen_once() -> None:
@@ -23,6 +24,20 @@ def test_each_backend_plans_only_for_itself(triton_backend) -> None:
     assert isinstance(plans["torch"], TorchAttentionPlan) and isinstance(plans["triton"], TritonAttentionPlan)
     if "cpu" in plans:
         assert isinstance(plans["cpu"], CompiledAttentionPlan)
+
+
+def test_only_the_compiled_backend_asks_its_matmuls_to_fetch_what_follows(triton_backend) -> None:
+    """The compiled matmuls request the KV blocks and adapter pages the next op reads; the library
+    matmuls of the other backends take no reads, and are given none."""
+    step = kernels.StepSequences([0, 1, 4], [9, 3], [[2, 5, 0], [1]], 4)
+    k_cache, v_cache = torch.zeros(6, 4, 3, 8), torch.zeros(6, 4, 3, 8)
+    for name in ("torch", "triton"):
+        backend = kernels.backend_for("cpu", name)
+        assert backend.attention_reads(k_cache, v_cache, backend.plan_attention(step)) == NO_READS
+    if cpu_ops.ops() is not None:
+        backend = kernels.backend_for("cpu", "cpu")
+        reads = backend.attention_reads(k_cache, v_cache, backend.plan_attention(step))
+        assert reads.pools == (k_cache, v_cache) and [p.tolist() for p in reads.pages] == [[2, 5, 0, 1]] * 2
 
 
 def test_the_triton_backend_on_cpu_needs_the_interpreter(monkeypatch) -> None:

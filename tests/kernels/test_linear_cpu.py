@@ -13,8 +13,16 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels.linear import KIND_DTYPES, KINDS, CompiledLinear, PlainLinear, available_kinds, linear_packed, pack_linear_weight
-
+from kernels.linear import (
+    KIND_DTYPES,
+    KINDS,
+    CompiledLinear,
+    PlainLinear,
+    Reads,
+    available_kinds,
+    linear_packed,
+    pack_linear_weight,
+)
 from tests.kernels.conftest import use_form
 
 # (form, kind): each compiled matmul in each form that has it.
@@ -92,6 +100,41 @@ def test_compiled_linear_splits_column_blocks_over_threads(kind_in_form: str) ->
         assert torch.equal(linear_packed(x, packed), single)  # the same sums, whichever thread did them
     finally:
         torch.set_num_threads(threads)
+
+
+@kinds
+@pytest.mark.parametrize("threads", [1, 2])
+def test_reads_requested_during_a_matmul_change_nothing_it_computes(kind_in_form: str, threads: int) -> None:
+    """The pages of the op after a projection are only requested into cache: the result is the same to
+    the bit, for reads that do not divide evenly over the column groups (pages of 1, 3 and 100 lines,
+    many more lines than the matmul has steps, page ids out of order and repeated), split over threads."""
+    dtype = KIND_DTYPES[kind_in_form]
+    x, weight = _randn(17, 576, seed=7, dtype=dtype), _randn(960, 576, seed=8, dtype=dtype)
+    packed = pack_linear_weight(weight, kind_in_form)
+    pools = (torch.ones(40, 32, dtype=torch.bfloat16), torch.ones(9, 3, 16), torch.ones(500, 1600, dtype=torch.bfloat16))
+    pages = (torch.tensor([3, 0, 39, 3]), torch.tensor([8]), torch.arange(499, -1, -1))
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        plain = linear_packed(x, packed)
+        assert torch.equal(linear_packed(x, packed, Reads(pools, pages)), plain)
+        assert torch.equal(linear_packed(x, packed, Reads(pools[:1], (torch.tensor([], dtype=torch.int64),))), plain)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@kinds
+def test_reads_outside_their_pool_are_refused(kind_in_form: str) -> None:
+    dtype = KIND_DTYPES[kind_in_form]
+    x, packed = _randn(4, 64, seed=9, dtype=dtype), pack_linear_weight(_randn(32, 64, seed=10, dtype=dtype), kind_in_form)
+    pool = torch.ones(4, 64)
+    for page in (4, -1):
+        with pytest.raises(RuntimeError, match="outside its pool"):
+            linear_packed(x, packed, Reads((pool,), (torch.tensor([page]),)))
+    with pytest.raises(RuntimeError, match="one page-id tensor per fetched pool"):
+        linear_packed(x, packed, Reads((pool, pool), (torch.tensor([0]),)))
+    with pytest.raises(RuntimeError, match="1-D int64"):
+        linear_packed(x, packed, Reads((pool,), (torch.tensor([0], dtype=torch.int32),)))
 
 
 @kinds

@@ -114,6 +114,9 @@ def test_segments_and_page_tables_of_a_step() -> None:
     compiled = CompiledLoraPlan.build(entries, tables)
     assert compiled.segment_table.tolist() == [[0, 2, 2], [3, 3, 0], [6, 1, 2]]
     assert compiled.page_tables["q_proj"].tolist() == [[4, 0, 0], [0, 0, 0], [7, 1, 9]]
+    # What the op will read: the pages of the entries the segments use, in the order it reaches them.
+    assert compiled.pages_read["q_proj"].tolist() == [7, 1, 9, 4]
+    assert CompiledLoraPlan.build([-1, 1, -1], tables).pages_read["q_proj"].tolist() == []
     assert CompiledLoraPlan.build([-1, -1], {}).num_segments == 0
     with pytest.raises(AssertionError):
         PageTable((17,), ((3,),))  # rank 17 needs two pages

@@ -8,6 +8,7 @@ from types import ModuleType
 
 import torch
 
+from kernels import tuning
 from kernels.attention.plans import CompiledAttentionPlan, StepSequences
 from kernels.attention.torch_ops import attend_prefill
 from kernels.backends.torch_backend import TorchBackend
@@ -112,7 +113,9 @@ class CompiledCPUBackend(TorchBackend):
         if isinstance(plan, TorchLoraPlan):
             return NO_READS
         pools = tuple(pool for piece in slices for pool in (piece.a, piece.b))
-        return Reads(pools, tuple(plan.pages_read[piece.module] for piece in slices for _ in range(2)))
+        pages = tuple(plan.pages_read[piece.module] for piece in slices for _ in range(2))
+        size = sum(ids.numel() * pool.stride(0) * pool.element_size() for pool, ids in zip(pools, pages))
+        return Reads(pools, pages) if size <= tuning.LORA_FETCH_MAX_BYTES else NO_READS
 
 
 def _rows_of_one_dtype(first: torch.Tensor, *others: torch.Tensor) -> bool:

@@ -59,22 +59,29 @@ void accumulate(T* y, int64_t ldy, int rows, const float* c, int64_t ldc, int64_
 }
 
 // The segments of one call, with per-call scratch: x rows as W (converted where x is not W), the
-// shrunk rows (float, then as W for the expand), one output tile and the tiles' page pointers.
+// shrunk rows of every slice side by side (float, then as W for the expand), one output tile and the
+// tiles' page pointers.
 template <typename T, typename W>
 struct SegmentRunner {
   const LoraArgs& args;
   int64_t max_pages = max_pages_of(args);
-  int64_t ld_shrunk = max_pages * kBlockColumns;
+  int64_t ld_shrunk = total_pages_of(args) * kBlockColumns;
   std::vector<W> x_rows = std::vector<W>(kMaxRows * args.hidden_in);
   std::vector<float> shrunk = std::vector<float>(kMaxRows * ld_shrunk);
   std::vector<W> shrunk_w = std::vector<W>(std::is_same_v<W, float> ? 0 : kMaxRows * ld_shrunk);
   std::vector<float> c = std::vector<float>(kMaxRows * kMaxGroup * kBlockColumns);
-  std::vector<const W*> blocks = std::vector<const W*>(max_pages * kMaxGroup);
+  std::vector<const W*> blocks = std::vector<const W*>(std::max(max_pages, total_pages_of(args)) * kMaxGroup);
 
   static int64_t max_pages_of(const LoraArgs& args) {
     int64_t most = 1;
     for (int64_t i = 0; i < args.num_slices; ++i) most = std::max(most, args.slices[i].max_pages);
     return most;
+  }
+
+  static int64_t total_pages_of(const LoraArgs& args) {
+    int64_t total = 1;
+    for (int64_t i = 0; i < args.num_slices; ++i) total += args.slices[i].max_pages;
+    return total;
   }
 
   void run(int64_t segment) {
@@ -83,30 +90,42 @@ struct SegmentRunner {
       rows(first, static_cast<int>(std::min<int64_t>(kRows<W>, seg[0] + seg[1] - first)), seg[2]);
   }
 
+  // The shrink of every slice first, their pages side by side as the blocks of one matmul (x is
+  // shared: wider tiles for the small ranks), then each slice's expand from its own columns.
   void rows(int64_t first, int count, int64_t entry) {
     const W* x = x_as_weights(first, count);
-    for (int64_t i = 0; i < args.num_slices; ++i) {
+    const int64_t total_pages = shrink(count, x, entry);
+    const W* s = shrunk_as_weights(count, total_pages);
+    for (int64_t i = 0, offset = 0; i < args.num_slices; ++i) {
       const LoraSlice& slice = args.slices[i];
       const int64_t rank = slice.ranks[entry];
       if (rank == 0) continue;
-      const int64_t* pages = slice.page_table + entry * slice.max_pages;
       const int64_t num_pages = (rank + kBlockColumns - 1) / kBlockColumns;
-      shrink(count, x, static_cast<const W*>(slice.a_pages), pages, num_pages);
-      expand(count, shrunk_as_weights(count, num_pages), static_cast<const W*>(slice.b_pages), pages, num_pages, rank,
-             slice.out_features, static_cast<T*>(args.y) + first * args.total_out + slice.column);
+      expand(count, s + offset, static_cast<const W*>(slice.b_pages), slice.page_table + entry * slice.max_pages, num_pages,
+             rank, slice.out_features, static_cast<T*>(args.y) + first * args.total_out + slice.column);
+      offset += num_pages * kBlockColumns;
     }
   }
 
-  // shrunk [rows, pages * 16] = x_rows @ A.T, each page one block of 16 columns, kGroup pages a tile.
-  void shrink(int rows, const W* x, const W* a_pages, const int64_t* pages, int64_t num_pages) {
+  // shrunk [rows, pages * 16] = x_rows @ A.T over the entry's pages of every slice in slice order,
+  // each page one block of 16 columns, kGroup pages a tile. Returns the number of pages.
+  int64_t shrink(int rows, const W* x, int64_t entry) {
     const int64_t page_elements = args.hidden_in * kBlockColumns;
     const int64_t k = std::is_same_v<W, float> ? args.hidden_in : args.hidden_in / 2;
-    for (int64_t first = 0; first < num_pages; first += kGroup<W>) {
-      const int group = static_cast<int>(std::min<int64_t>(kGroup<W>, num_pages - first));
-      for (int v = 0; v < group; ++v) blocks[v] = a_pages + pages[first + v] * page_elements;
-      tile(rows, group, x, args.hidden_in, BlockPages<W>{blocks.data(), 1, k}, k, shrunk.data() + first * kBlockColumns,
-           ld_shrunk);
+    int64_t total = 0;
+    for (int64_t i = 0; i < args.num_slices; ++i) {
+      const LoraSlice& slice = args.slices[i];
+      const int64_t num_pages = (slice.ranks[entry] + kBlockColumns - 1) / kBlockColumns;
+      const int64_t* pages = slice.page_table + entry * slice.max_pages;
+      for (int64_t page = 0; page < num_pages; ++page)
+        blocks[total++] = static_cast<const W*>(slice.a_pages) + pages[page] * page_elements;
     }
+    for (int64_t first = 0; first < total; first += kGroup<W>) {
+      const int group = static_cast<int>(std::min<int64_t>(kGroup<W>, total - first));
+      tile(rows, group, x, args.hidden_in, BlockPages<W>{blocks.data() + first, 1, k}, k,
+           shrunk.data() + first * kBlockColumns, ld_shrunk);
+    }
+    return total;
   }
 
   // y[rows, 0:out] += s @ B.T, kGroup blocks of 16 columns a tile, B's rank rows paged. Each tile reads

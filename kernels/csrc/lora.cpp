@@ -4,7 +4,8 @@
 //   y[t, cols_i] += T((x[t] @ A_e.T) @ B_e.T)
 // Both products are matmuls of the segment's rows on the register tiles of the projections' matmuls
 // (gemm_tiles.h), over the tiled pages of kernels/lora/layouts.py, wherever the adapter pool put them:
-//   the shrink computes ceil(r / 16) pages of A, each one block of 16 output columns;
+//   the shrink computes ceil(r / 16) pages of A, each one block of 16 output columns, the pages of
+//   every slice side by side in one matmul (the slices share x);
 //   the expand reads B's r rank rows as k-steps, 16 (bf16: 8 pairs) per page, page after page
 //   (`BlockPages`); rows of the last page past r are zero.
 // The delta is accumulated in float32 and added to y with one rounding, as the reference does. Weights

@@ -323,9 +323,10 @@ std::vector<cpu_ops::FetchRun> fetch_runs(const std::vector<torch::Tensor>& pool
 template <typename Kernel, typename Groups>
 void run_linear(Kernel kernel, Groups groups, const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& packed,
                 int64_t rows, const std::vector<torch::Tensor>& fetch_pools, const std::vector<torch::Tensor>& fetch_pages) {
-  const std::vector<cpu_ops::FetchRun> runs = fetch_runs(fetch_pools, fetch_pages);
+  std::vector<cpu_ops::FetchRun> runs = fetch_runs(fetch_pools, fetch_pages);
   int64_t lines = 0;
   for (const cpu_ops::FetchRun& run : runs) lines += run.lines;
+  if (2 * rows * x.size(1) * out.size(1) < cpu_ops::tuning::kFetchMinFlopsPerByte * 64 * lines) runs.clear(), lines = 0;
   const cpu_ops::LinearArgs args{x.data_ptr(), packed.data_ptr(), out.data_ptr(), rows, x.size(1), out.size(1),
                                  runs.empty() ? nullptr : runs.data(), lines};
   run_tasks(kernel, args, groups(out.size(1)), 1);

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
+from kernels import reference, tuning
 from kernels.linear import (
     KIND_DTYPES,
     KINDS,
@@ -107,12 +107,16 @@ def test_compiled_linear_splits_column_blocks_over_threads(kind_in_form: str) ->
 def test_reads_requested_during_a_matmul_change_nothing_it_computes(kind_in_form: str, threads: int) -> None:
     """The pages of the op after a projection are only requested into cache: the result is the same to
     the bit, for reads that do not divide evenly over the column groups (pages of 1, 3 and 100 lines,
-    many more lines than the matmul has steps, page ids out of order and repeated), split over threads."""
+    many more lines than the matmul has steps, page ids out of order and repeated), split over threads.
+    The 1.6 MB stay within what a matmul of this size fetches (`fetch_min_flops_per_byte`), so the
+    fetch runs."""
     dtype = KIND_DTYPES[kind_in_form]
     x, weight = _randn(17, 576, seed=7, dtype=dtype), _randn(960, 576, seed=8, dtype=dtype)
     packed = pack_linear_weight(weight, kind_in_form)
     pools = (torch.ones(40, 32, dtype=torch.bfloat16), torch.ones(9, 3, 16), torch.ones(500, 1600, dtype=torch.bfloat16))
     pages = (torch.tensor([3, 0, 39, 3]), torch.tensor([8]), torch.arange(499, -1, -1))
+    fetched = sum(ids.numel() * -(-pool.stride(0) * pool.element_size() // 64) * 64 for pool, ids in zip(pools, pages))
+    assert 2 * 17 * 576 * 960 >= tuning.CPU_KERNEL_CONSTANTS["fetch_min_flops_per_byte"] * fetched
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)

@@ -108,7 +108,6 @@ class CompiledCPUBackend(TorchBackend):
                                    [plan.page_tables[piece.module] for piece in slices],
                                    [piece.start for piece in slices])
 
-
     def lora_reads(self, slices: Sequence[LoraSlice], plan: CompiledLoraPlan | TorchLoraPlan) -> Reads:
         if isinstance(plan, TorchLoraPlan):
             return NO_READS

@@ -154,4 +154,3 @@ class LoraStep:
         if projection not in self.targeted:
             return NO_READS
         return self.backend.lora_reads(self.tensors.slices(layer_idx, projection), self.plan)
-

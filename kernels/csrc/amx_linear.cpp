@@ -31,12 +31,10 @@ constexpr int64_t kPackedStep = 2 * 16 * 32;  // bf16 elements of the two B tile
 
 // Tiles 0-3: the output block's accumulators (row tile i, column tile j at 2 * i + j); 4-5: the two
 // row tiles of x; 6-7: the two column tiles of W.
-// While it multiplies, the block requests lines [first_line, end_line) of `upcoming` (the next
-// column block's weights) into cache, spread evenly over its k-steps, and its share of the next op's
-// runs (`side`).
+// While it multiplies, the block requests its share of the next column block's weights and of the
+// next op's runs into cache, spread evenly over its k-steps (`fetch`, gemm_tiles.h).
 void multiply_block(const uint16_t* a, int64_t lda_bytes, int64_t a_row_tile_offset, const uint16_t* b,
-                    int64_t k_steps, const char* upcoming, int64_t first_line, int64_t end_line, Prefetcher side,
-                    float* c) {
+                    int64_t k_steps, Prefetcher fetch, float* c) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -46,10 +44,7 @@ void multiply_block(const uint16_t* a, int64_t lda_bytes, int64_t a_row_tile_off
   _tile_loadd(7, b + kPackedStep / 2, 64);
   _tile_loadd(5, a + a_row_tile_offset, lda_bytes);
   for (int64_t ks = 0; ks < k_steps; ++ks) {
-    const int64_t lines = end_line - first_line;
-    for (int64_t line = first_line + ks * lines / k_steps; line < first_line + (ks + 1) * lines / k_steps; ++line)
-      _mm_prefetch(upcoming + line * 64, _MM_HINT_T0);
-    side.step();
+    fetch.step();
     const bool more = ks + 1 < k_steps;
     const uint16_t* next_a = a + (ks + 1) * kKStep;
     const uint16_t* next_b = b + (ks + 1) * kPackedStep;
@@ -98,9 +93,10 @@ void amx_linear(const LinearArgs& args, int64_t begin, int64_t end) {
     const int64_t upcoming_lines = nb + 1 < end ? k_steps * kPackedStep * 2 / 64 : 0;
     for (int64_t rb = 0; rb < row_blocks; ++rb) {
       const int64_t side_begin = rb * side_lines / row_blocks, side_end = (rb + 1) * side_lines / row_blocks;
-      multiply_block(x + rb * kBlock * k, k * 2, 16 * k, b_block, k_steps, upcoming,
-                     rb * upcoming_lines / row_blocks, (rb + 1) * upcoming_lines / row_blocks,
-                     Prefetcher{nullptr, 0, k_steps, 0, side, side_end - side_begin}, block);
+      const int64_t first_line = rb * upcoming_lines / row_blocks, end_line = (rb + 1) * upcoming_lines / row_blocks;
+      multiply_block(x + rb * kBlock * k, k * 2, 16 * k, b_block, k_steps,
+                     Prefetcher{upcoming + 64 * first_line, end_line - first_line, k_steps, 0, side, side_end - side_begin},
+                     block);
       side.advance(side_end - side_begin);
       const int64_t valid_rows = std::min(kBlock, rows - rb * kBlock);
       for (int64_t r = 0; r < valid_rows; ++r) {

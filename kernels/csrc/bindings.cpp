@@ -301,7 +301,7 @@ void check_linear(const torch::Tensor& out, const torch::Tensor& x, const torch:
 // The pages the op after a matmul reads: page ids[j] of pools[j], each pool contiguous with its
 // pages along dim 0, as runs of 64-byte lines (prefetching cannot fault, but a page outside its pool
 // is a caller's mistake worth stopping).
-std::vector<cpu_ops::FetchRun> fetch_runs(const std::vector<torch::Tensor>& pools, const std::vector<torch::Tensor>& ids) {
+std::vector<cpu_ops::FetchRun> page_runs(const std::vector<torch::Tensor>& pools, const std::vector<torch::Tensor>& ids) {
   TORCH_CHECK(pools.size() == ids.size(), "one page-id tensor per fetched pool");
   std::vector<cpu_ops::FetchRun> runs;
   for (size_t j = 0; j < pools.size(); ++j) {
@@ -323,7 +323,7 @@ std::vector<cpu_ops::FetchRun> fetch_runs(const std::vector<torch::Tensor>& pool
 template <typename Kernel, typename Groups>
 void run_linear(Kernel kernel, Groups groups, const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& packed,
                 int64_t rows, const std::vector<torch::Tensor>& fetch_pools, const std::vector<torch::Tensor>& fetch_pages) {
-  std::vector<cpu_ops::FetchRun> runs = fetch_runs(fetch_pools, fetch_pages);
+  std::vector<cpu_ops::FetchRun> runs = page_runs(fetch_pools, fetch_pages);
   int64_t lines = 0;
   for (const cpu_ops::FetchRun& run : runs) lines += run.lines;
   if (2 * rows * x.size(1) * out.size(1) < cpu_ops::tuning::kFetchMinFlopsPerByte * 64 * lines) runs.clear(), lines = 0;

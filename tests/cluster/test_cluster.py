@@ -73,7 +73,9 @@ def test_base_requests_spread_over_both_replicas(cluster: Cluster) -> None:
 
 def test_an_uploaded_adapter_is_served_alike_by_both_replicas(cluster: Cluster, tmp_path) -> None:
     """Uploaded once through the ingress (PostgreSQL + S3), then more requests at once than one
-    replica admits: both replicas serve it, with the same greedy tokens."""
+    replica admits: both replicas serve it, with the same greedy tokens. Whether a burst overflows
+    one replica depends on how fast the requests reach it against how fast it answers (one CI run saw
+    a whole burst on one replica), so up to three bursts are sent."""
     import shutil
 
     directory = tmp_path / "fresh"
@@ -88,7 +90,11 @@ def test_an_uploaded_adapter_is_served_alike_by_both_replicas(cluster: Cluster, 
             return await asyncio.gather(*(client.post(cluster.prefix() + "/generate", json=body, headers=cluster.headers())
                                           for _ in range(2 * MAX_IN_FLIGHT)))
 
-    responses = asyncio.run(run())
+    responses: list[httpx.Response] = []
+    for _ in range(3):
+        responses += asyncio.run(run())
+        if len({_replica(response) for response in responses}) == 2:
+            break
     assert len({_replica(response) for response in responses}) == 2
     assert len({json.dumps(r.json()["details"]["tokens"]) for r in responses}) == 1
     base = cluster.generate({"max_new_tokens": 24})

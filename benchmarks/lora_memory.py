@@ -14,10 +14,10 @@ its own pages, scattered):
 batch's 9-32 MB do not). "next layer's": each call reads the next of `page_sets` sets, together at
 least twice a 32 MB last-level cache, as a decode step's 30 layers read theirs. The rate is the
 bytes the op needs (each adapter's own rank) over the next-layer time, printed beside a plain
-streaming read of 256 MiB (`torch.sum`).
+streaming read (`benchmarks.roofline.measure_read_rate`).
 The base projection is not run, nor its fetch of the pages (`Backend.lora_reads`): these are the
-op's own costs. Each figure is the minimum over interleaved rounds (the machine is shared; other
-jobs only add time). Last line: JSON.
+op's own costs. Each figure is the minimum over interleaved rounds (`benchmarks.kernels.make_timer`:
+the machine is shared, other jobs only add time). Last line: JSON.
 """
 from __future__ import annotations
 
@@ -25,12 +25,13 @@ import argparse
 import json
 import logging
 import random
-import time
 from dataclasses import dataclass
 
 import torch
 
 import kernels
+from benchmarks.kernels import make_timer
+from benchmarks.roofline import measure_read_rate
 from kernels.lora.layouts import ModuleShape, pages_for_rank
 from kernels.lora.plans import LoraSlice, PageTable
 
@@ -55,12 +56,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
-    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds; the minimum is kept")
-    parser.add_argument("--quick", action="store_true", help="a small run for tests: 2 rounds, 2 page sets, gate_up only")
+    parser.add_argument("--seconds", type=float, default=0.5, help="timing budget per case (at least 5 interleaved rounds)")
+    parser.add_argument("--quick", action="store_true", help="a small run for tests: 5 rounds, 2 page sets, gate_up only")
     return parser.parse_args(argv)
 
 
-def bench_projection(backend, dtype: torch.dtype, batch: Batch, projection: str, page_sets: int, rounds: int,
+def bench_projection(backend, dtype: torch.dtype, batch: Batch, projection: str, page_sets: int, timer,
                      seed: int = 0) -> dict:
     """{"same_pages_s", "next_layer_s", "bytes"}: one call's time each way, and the bytes it needs."""
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
@@ -86,24 +87,9 @@ def bench_projection(backend, dtype: torch.dtype, batch: Batch, projection: str,
     y = torch.zeros(batch.num_tokens, starts[-1], dtype=dtype)
     runs = {"same_pages": lambda: [backend.add_lora(y, x, per_layer[0], plan) for _ in range(page_sets)],
             "next_layer": lambda: [backend.add_lora(y, x, per_layer[layer], plan) for layer in range(page_sets)]}
-    best = dict.fromkeys(runs, float("inf"))
-    for _ in range(rounds):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            run()
-            best[name] = min(best[name], (time.perf_counter() - start) / page_sets)
+    best = {name: figures["min"] / page_sets for name, figures in timer(runs).items()}
     needed = sum(ranks) * (hidden_in * len(widths) + starts[-1]) * dtype.itemsize
     return {"same_pages_s": best["same_pages"], "next_layer_s": best["next_layer"], "bytes": needed}
-
-
-def streaming_read_rate(rounds: int, nbytes: int = 256 << 20) -> float:
-    data = torch.ones(nbytes // 8, dtype=torch.int64)
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        data.sum()
-        best = min(best, time.perf_counter() - start)
-    return nbytes / best
 
 
 def main(argv=None) -> dict:
@@ -112,20 +98,20 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     backend = kernels.backend_for(torch.device("cpu"))
-    rounds = 2 if args.quick else args.rounds
+    timer = make_timer(torch.device("cpu"), 0.0 if args.quick else args.seconds)
     projections = ["gate_up"] if args.quick else list(PROJECTIONS)
     LOG.info("backend %s, %s, %d thread(s)", backend.label, args.dtype, args.threads)
     rows = []
     for batch in BATCHES:
         for projection in projections:
-            figures = bench_projection(backend, dtype, batch, projection, 2 if args.quick else batch.page_sets, rounds)
+            figures = bench_projection(backend, dtype, batch, projection, 2 if args.quick else batch.page_sets, timer)
             rows.append({"batch": batch.name, "projection": projection, **figures,
                          "read_gb_per_s": figures["bytes"] / figures["next_layer_s"] / 1e9})
             LOG.info("%-15s %-8s same pages %8.1f us   next layer's %8.1f us (%.2fx)   %5.1f MB at %5.1f GB/s",
                      batch.name, projection, 1e6 * figures["same_pages_s"], 1e6 * figures["next_layer_s"],
                      figures["next_layer_s"] / figures["same_pages_s"], figures["bytes"] / 1e6, rows[-1]["read_gb_per_s"])  # fmt: skip
-    stream = streaming_read_rate(rounds)
-    LOG.info("streaming read of 256 MiB: %.1f GB/s", stream / 1e9)
+    stream = measure_read_rate()
+    LOG.info("streaming read of 512 MiB: %.1f GB/s", stream / 1e9)
     report = {"threads": args.threads, "dtype": args.dtype, "backend": backend.label, "rows": rows,
               "streaming_read_gb_per_s": stream / 1e9}
     print(json.dumps(report))

@@ -48,15 +48,19 @@ def _best_seconds(run, tries: int) -> float:
     return best
 
 
-def measure_rates(hidden: int, intermediate: int, dtype: torch.dtype, tries: int = 5) -> MachineRates:
-    """Read bandwidth from summing 512 MiB; matmul peak from [2048, hidden] @ [hidden, intermediate] in `dtype`."""
+def measure_read_rate(tries: int = 5) -> float:
+    """Bytes per second of a streaming read: summing 512 MiB, the best of `tries`."""
     buffer = torch.ones(128 * 1024 * 1024, dtype=torch.float32)
-    read_s = _best_seconds(buffer.sum, tries)
+    return buffer.numel() * 4 / _best_seconds(buffer.sum, tries)
+
+
+def measure_rates(hidden: int, intermediate: int, dtype: torch.dtype, tries: int = 5) -> MachineRates:
+    """Read bandwidth (`measure_read_rate`); matmul peak from [2048, hidden] @ [hidden, intermediate] in `dtype`."""
+    read_bytes_per_s = measure_read_rate(tries)
     x = torch.randn(2048, hidden, dtype=dtype)
     w = torch.randn(hidden, intermediate, dtype=dtype)
     matmul_s = _best_seconds(lambda: torch.mm(x, w), tries)
-    return MachineRates(read_bytes_per_s=buffer.numel() * 4 / read_s,
-                        matmul_flops_per_s=2 * x.shape[0] * hidden * intermediate / matmul_s)
+    return MachineRates(read_bytes_per_s=read_bytes_per_s, matmul_flops_per_s=2 * x.shape[0] * hidden * intermediate / matmul_s)
 
 
 def model_costs(model: LlamaModel) -> ModelCosts:

@@ -67,7 +67,7 @@ struct SegmentRunner {
   const LoraArgs& args;
   int64_t max_pages = max_pages_of(args);
   int64_t ld_shrunk = total_pages_of(args) * kBlockColumns;
-  std::vector<W> x_rows = std::vector<W>(kMaxRows * args.hidden_in);
+  std::vector<W> x_rows = std::vector<W>(std::is_same_v<T, W> ? 0 : kMaxRows * args.hidden_in);
   std::vector<float> shrunk = std::vector<float>(kMaxRows * ld_shrunk);
   std::vector<W> shrunk_w = std::vector<W>(std::is_same_v<W, float> ? 0 : kMaxRows * ld_shrunk);
   std::vector<float> c = std::vector<float>(kMaxRows * kMaxGroup * kBlockColumns);

@@ -111,10 +111,10 @@ class CompiledCPUBackend(TorchBackend):
     def lora_reads(self, slices: Sequence[LoraSlice], plan: CompiledLoraPlan | TorchLoraPlan) -> Reads:
         if isinstance(plan, TorchLoraPlan):
             return NO_READS
-        pools = tuple(pool for piece in slices for pool in (piece.a, piece.b))
-        pages = tuple(plan.pages_read[piece.module] for piece in slices for _ in range(2))
-        size = sum(ids.numel() * pool.stride(0) * pool.element_size() for pool, ids in zip(pools, pages))
-        return Reads(pools, pages) if size <= tuning.LORA_FETCH_MAX_BYTES else NO_READS
+        pages = [plan.pages_read[piece.module] for piece in slices]
+        if sum(ids.numel() * piece.page_bytes for ids, piece in zip(pages, slices)) > tuning.LORA_FETCH_MAX_BYTES:
+            return NO_READS
+        return Reads(tuple(pool for piece in slices for pool in (piece.a, piece.b)), tuple(ids for ids in pages for _ in range(2)))
 
 
 def _rows_of_one_dtype(first: torch.Tensor, *others: torch.Tensor) -> bool:

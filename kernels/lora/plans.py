@@ -8,7 +8,7 @@ holds them in the form its backend reads."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import groupby
 
 import torch
@@ -48,6 +48,10 @@ class LoraSlice:
     b: torch.Tensor
     start: int
     end: int
+    page_bytes: int = field(init=False)  # one page of A and one of B
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "page_bytes", sum(t.stride(0) * t.element_size() for t in (self.a, self.b)))
 
 
 def active_runs(token_entries: Sequence[int]) -> list[tuple[int, int, int]]:

@@ -1,20 +1,22 @@
 """How much of the LoRA op's cost is reading adapter pages: each projection's op reading the same
-pages call after call against the same op reading another layer's pages each call, and the rate at
-which it reads them then.
+pages call after call against the same op reading another layer's pages each call, the rate at which
+it reads them then, and its arithmetic rate with the pages in cache.
 
     python -m benchmarks.lora_memory [--threads 1] [--dtype bfloat16] [--quick]
 
-Two batches on the embedded model's projections (qkv, o, gate_up, down of SmolLM2-135M), ranks 8,
+Three batches on the embedded model's projections (qkv, o, gate_up, down of SmolLM2-135M), ranks 8,
 16, 32 and 64 in turn on every projection, as the engine's adapter pool holds them (each adapter in
 its own pages, scattered):
 - "W decode": 64 tokens, 8 adapters of 8 tokens each (workload W of `benchmarks.engine`);
+- "W prefill": 2560 tokens, 8 adapters of 320 (W's 64 prompts of ~40 tokens, sorted by adapter);
 - "one token each": 128 tokens, each its own adapter (`benchmarks.adapters` at 1024 registered).
 "same pages": every call reads one set of pages, as cached as the machine's caches allow (W's
 0.6-2 MB a call stay in a core's L2 or the shared L3 on the CPUs this was written on; the second
 batch's 9-32 MB do not). "next layer's": each call reads the next of `page_sets` sets, together at
 least twice a 32 MB last-level cache, as a decode step's 30 layers read theirs. The rate is the
 bytes the op needs (each adapter's own rank) over the next-layer time, printed beside a plain
-streaming read (`benchmarks.roofline.measure_read_rate`).
+streaming read (`benchmarks.roofline.measure_read_rate`); the arithmetic rate is the op's multiply-adds
+(each token at its adapter's rank) over the same-pages time.
 The base projection is not run, nor its fetch of the pages (`Backend.lora_reads`): these are the
 op's own costs. Each figure is the minimum over interleaved rounds (`benchmarks.kernels.make_timer`:
 the machine is shared, other jobs only add time). Last line: JSON.
@@ -49,7 +51,7 @@ class Batch:
     page_sets: int  # the next-layer calls cycle through them: >= 64 MB of pages for each projection
 
 
-BATCHES = (Batch("W decode", 64, 8, 120), Batch("one token each", 128, 128, 8))
+BATCHES = (Batch("W decode", 64, 8, 120), Batch("W prefill", 2560, 8, 8), Batch("one token each", 128, 128, 8))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -63,7 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def bench_projection(backend, dtype: torch.dtype, batch: Batch, projection: str, page_sets: int, timer,
                      seed: int = 0) -> dict:
-    """{"same_pages_s", "next_layer_s", "bytes"}: one call's time each way, and the bytes it needs."""
+    """{"same_pages_s", "next_layer_s", "bytes", "flops"}: one call's time each way, the bytes it needs
+    and its floating-point operations."""
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     hidden_in, widths = PROJECTIONS[projection]
     shapes = [ModuleShape(hidden_in, width) for width in widths]
@@ -88,8 +91,10 @@ def bench_projection(backend, dtype: torch.dtype, batch: Batch, projection: str,
     runs = {"same_pages": lambda: [backend.add_lora(y, x, per_layer[0], plan) for _ in range(page_sets)],
             "next_layer": lambda: [backend.add_lora(y, x, per_layer[layer], plan) for layer in range(page_sets)]}
     best = {name: figures["min"] / page_sets for name, figures in timer(runs).items()}
-    needed = sum(ranks) * (hidden_in * len(widths) + starts[-1]) * dtype.itemsize
-    return {"same_pages_s": best["same_pages"], "next_layer_s": best["next_layer"], "bytes": needed}
+    width = hidden_in * len(widths) + starts[-1]  # A's and B's elements per rank row
+    flops = sum(2 * ranks[entry] * width for entry in entries)
+    return {"same_pages_s": best["same_pages"], "next_layer_s": best["next_layer"],
+            "bytes": sum(ranks) * width * dtype.itemsize, "flops": flops}
 
 
 def main(argv=None) -> dict:
@@ -106,10 +111,12 @@ def main(argv=None) -> dict:
         for projection in projections:
             figures = bench_projection(backend, dtype, batch, projection, 2 if args.quick else batch.page_sets, timer)
             rows.append({"batch": batch.name, "projection": projection, **figures,
-                         "read_gb_per_s": figures["bytes"] / figures["next_layer_s"] / 1e9})
-            LOG.info("%-15s %-8s same pages %8.1f us   next layer's %8.1f us (%.2fx)   %5.1f MB at %5.1f GB/s",
-                     batch.name, projection, 1e6 * figures["same_pages_s"], 1e6 * figures["next_layer_s"],
-                     figures["next_layer_s"] / figures["same_pages_s"], figures["bytes"] / 1e6, rows[-1]["read_gb_per_s"])  # fmt: skip
+                         "read_gb_per_s": figures["bytes"] / figures["next_layer_s"] / 1e9,
+                         "gflop_per_s": figures["flops"] / figures["same_pages_s"] / 1e9})
+            LOG.info("%-15s %-8s same pages %8.1f us (%4.0f GFLOP/s)   next layer's %8.1f us (%.2fx)   %5.1f MB at %5.1f GB/s",
+                     batch.name, projection, 1e6 * figures["same_pages_s"], rows[-1]["gflop_per_s"],
+                     1e6 * figures["next_layer_s"], figures["next_layer_s"] / figures["same_pages_s"],
+                     figures["bytes"] / 1e6, rows[-1]["read_gb_per_s"])  # fmt: skip
     stream = measure_read_rate()
     LOG.info("streaming read of 512 MiB: %.1f GB/s", stream / 1e9)
     report = {"threads": args.threads, "dtype": args.dtype, "backend": backend.label, "rows": rows,

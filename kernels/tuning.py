@@ -29,6 +29,12 @@ CPU_KERNEL_CONSTANTS: dict[str, int] = {
     # The portable tiles (plain loops; the LoRA op's tiles in forms without the instructions).
     "portable_tile_rows": 4,
     "portable_tile_blocks": 1,
+    # LoRA op (kernels/csrc/lora.cpp): rows of a segment whose expand reads each column group's runs
+    # of B once (the chunk's shrunk rows are float32 scratch: rows x 16 per page of the projection).
+    # AMD Zen 5, bf16, W's prefill (8 adapters of 320 tokens, ranks 8-64, pages in cache; `python -m
+    # benchmarks.lora_memory`, "W prefill"): 4.6-4.9 ms a layer against 5.1 ms for 8 rows (one row
+    # tile at a time); 16 and 64 rows measured as 32 within noise; decode batches are unchanged.
+    "lora_chunk_rows": 32,
     # max/logsumexp: the first index of a row's maximum is found by a vectorised test per chunk of
     # this many logits, then a scalar scan within the chunk.
     "first_index_chunk": 64,

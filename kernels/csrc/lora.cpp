@@ -8,10 +8,14 @@
 //   every slice side by side in one matmul (the slices share x);
 //   the expand reads B's r rank rows as k-steps, 16 (bf16: 8 pairs) per page, page after page
 //   (`BlockPages`); rows of the last page past r are zero.
+// A long segment (a prefill) runs in chunks of up to kChunkRows rows: every row tile's shrink, then the
+// expand column group by column group, each group's runs of B read once for all the chunk's row tiles
+// (one row tile at a time re-read all of B per tile, from L2 or beyond once B outgrows it).
 // The delta is accumulated in float32 and added to y with one rounding, as the reference does. Weights
 // are float32 (any x and y dtype) or bf16 (bf16 x and y, the engine's bf16 model: `vdpbf16ps` on
 // AVX512-BF16, widened elsewhere).
 #include <algorithm>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -28,6 +32,7 @@ constexpr int kRows = std::is_same_v<W, float> ? kF32TileRows : kBf16TileRows;
 template <typename W>
 constexpr int kGroup = std::is_same_v<W, float> ? kF32TileBlocks : kBf16TileBlocks;
 constexpr int kMaxRows = 8, kMaxGroup = 3;  // the scratch covers any tile
+constexpr int64_t kChunkRows = tuning::kLoraChunkRows;
 // k-steps of one page of B: 16 rank rows, or 8 pairs of them for bf16.
 template <typename W>
 constexpr int64_t kPageSteps = std::is_same_v<W, float> ? kBlockColumns : kBlockColumns / 2;
@@ -67,11 +72,18 @@ struct SegmentRunner {
   const LoraArgs& args;
   int64_t max_pages = max_pages_of(args);
   int64_t ld_shrunk = total_pages_of(args) * kBlockColumns;
-  std::vector<W> x_rows = std::vector<W>(std::is_same_v<T, W> ? 0 : kMaxRows * args.hidden_in);
-  std::vector<float> shrunk = std::vector<float>(kMaxRows * ld_shrunk);
-  std::vector<W> shrunk_w = std::vector<W>(std::is_same_v<W, float> ? 0 : kMaxRows * ld_shrunk);
-  std::vector<float> c = std::vector<float>(kMaxRows * kMaxGroup * kBlockColumns);
-  std::vector<const W*> blocks = std::vector<const W*>(std::max(max_pages, total_pages_of(args)) * kMaxGroup);
+  std::unique_ptr<W[]> x_rows = scratch<W>(std::is_same_v<T, W> ? 0 : kMaxRows * args.hidden_in);
+  std::unique_ptr<float[]> shrunk = scratch<float>(kChunkRows * ld_shrunk);
+  std::unique_ptr<W[]> shrunk_w = scratch<W>(std::is_same_v<W, float> ? 0 : kChunkRows * ld_shrunk);
+  std::unique_ptr<float[]> c = scratch<float>(kMaxRows * kMaxGroup * kBlockColumns);
+  std::unique_ptr<const W*[]> blocks = scratch<const W*>(std::max(max_pages, total_pages_of(args)) * kMaxGroup);
+
+  // Uninitialised: every element is written before it is read (zeroing x's scratch alone took 7-10% of
+  // W's decode batch, pages in cache).
+  template <typename E>
+  static std::unique_ptr<E[]> scratch(int64_t size) {
+    return std::make_unique_for_overwrite<E[]>(static_cast<size_t>(size));
+  }
 
   static int64_t max_pages_of(const LoraArgs& args) {
     int64_t most = 1;
@@ -87,15 +99,19 @@ struct SegmentRunner {
 
   void run(int64_t segment) {
     const int64_t* seg = args.segments + 3 * segment;  // start, length, entry
-    for (int64_t first = seg[0]; first < seg[0] + seg[1]; first += kRows<W>)
-      rows(first, static_cast<int>(std::min<int64_t>(kRows<W>, seg[0] + seg[1] - first)), seg[2]);
+    for (int64_t first = seg[0]; first < seg[0] + seg[1]; first += kChunkRows)
+      chunk(first, std::min(kChunkRows, seg[0] + seg[1] - first), seg[2]);
   }
 
   // The shrink of every slice first, their pages side by side as the blocks of one matmul (x is
-  // shared: wider tiles for the small ranks), then each slice's expand from its own columns.
-  void rows(int64_t first, int count, int64_t entry) {
-    const W* x = x_as_weights(first, count);
-    const int64_t total_pages = shrink(count, x, entry);
+  // shared: wider tiles for the small ranks), row tile by row tile, then each slice's expand from its
+  // own columns.
+  void chunk(int64_t first, int64_t count, int64_t entry) {
+    int64_t total_pages = 0;
+    for (int64_t row = 0; row < count; row += kRows<W>) {
+      const int tile_rows = static_cast<int>(std::min<int64_t>(kRows<W>, count - row));
+      total_pages = shrink(tile_rows, x_as_weights(first + row, tile_rows), entry, shrunk.get() + row * ld_shrunk);
+    }
     const W* s = shrunk_as_weights(count, total_pages);
     for (int64_t i = 0, offset = 0; i < args.num_slices; ++i) {
       const LoraSlice& slice = args.slices[i];
@@ -108,9 +124,9 @@ struct SegmentRunner {
     }
   }
 
-  // shrunk [rows, pages * 16] = x_rows @ A.T over the entry's pages of every slice in slice order,
-  // each page one block of 16 columns, kGroup pages a tile. Returns the number of pages.
-  int64_t shrink(int rows, const W* x, int64_t entry) {
+  // out [rows, pages * 16] (ld_shrunk) = x_rows @ A.T over the entry's pages of every slice in slice
+  // order, each page one block of 16 columns, kGroup pages a tile. Returns the number of pages.
+  int64_t shrink(int rows, const W* x, int64_t entry, float* out) {
     const int64_t page_elements = args.hidden_in * kBlockColumns;
     const int64_t k = std::is_same_v<W, float> ? args.hidden_in : args.hidden_in / 2;
     int64_t total = 0;
@@ -123,16 +139,17 @@ struct SegmentRunner {
     }
     for (int64_t first = 0; first < total; first += kGroup<W>) {
       const int group = static_cast<int>(std::min<int64_t>(kGroup<W>, total - first));
-      tile(rows, group, x, args.hidden_in, BlockPages<W>{blocks.data() + first, 1, k}, k,
-           shrunk.data() + first * kBlockColumns, ld_shrunk);
+      tile(rows, group, x, args.hidden_in, BlockPages<W>{blocks.get() + first, 1, k}, k, out + first * kBlockColumns,
+           ld_shrunk);
     }
     return total;
   }
 
-  // y[rows, 0:out] += s @ B.T, kGroup blocks of 16 columns a tile, B's rank rows paged. Each tile reads
-  // a short run of every page, too short for the hardware's prefetcher to follow, so the next tile's
-  // runs are fetched before this one starts (AVX512-BF16, 118 one-token segments: 14 -> 25 GB/s).
-  void expand(int rows, const W* s, const W* b_pages, const int64_t* pages, int64_t num_pages, int64_t rank,
+  // y[rows, 0:out] += s @ B.T, kGroup blocks of 16 columns a tile, B's rank rows paged, a column group's
+  // tiles for every row tile in turn. Each group reads a short run of every page, too short for the
+  // hardware's prefetcher to follow, so the next group's runs are fetched before this one starts
+  // (AVX512-BF16, 118 one-token segments: 14 -> 25 GB/s).
+  void expand(int64_t rows, const W* s, const W* b_pages, const int64_t* pages, int64_t num_pages, int64_t rank,
               int64_t out_features, T* y) {
     const int64_t page_elements = out_features * kBlockColumns;
     const int64_t k = std::is_same_v<W, float> ? rank : (rank + 1) / 2;  // rows past the rank are zero
@@ -145,8 +162,12 @@ struct SegmentRunner {
         for (int v = 0; v < group; ++v)
           blocks[page * group + v] = b_pages + pages[page] * page_elements + (col / kBlockColumns + v) * block_elements;
       fetch_runs(b_pages, pages, num_pages, page_elements, col + ldc, std::min(col + 2 * ldc, out_features));
-      tile(rows, group, s, ld_shrunk, BlockPages<W>{blocks.data(), num_pages, kPageSteps<W>}, k, c.data(), ldc);
-      accumulate(y + col, args.total_out, rows, c.data(), ldc, group * kBlockColumns);
+      for (int64_t row = 0; row < rows; row += kRows<W>) {
+        const int tile_rows = static_cast<int>(std::min<int64_t>(kRows<W>, rows - row));
+        tile(tile_rows, group, s + row * ld_shrunk, ld_shrunk, BlockPages<W>{blocks.get(), num_pages, kPageSteps<W>}, k,
+             c.get(), ldc);
+        accumulate(y + row * args.total_out + col, args.total_out, tile_rows, c.get(), ldc, group * kBlockColumns);
+      }
     }
   }
 
@@ -169,21 +190,21 @@ struct SegmentRunner {
       std::vector<float> row(args.hidden_in);
       for (int r = 0; r < count; ++r) {
         to_float(x + r * args.hidden_in, row.data(), args.hidden_in);
-        from_float(row.data(), x_rows.data() + r * args.hidden_in, args.hidden_in);
+        from_float(row.data(), x_rows.get() + r * args.hidden_in, args.hidden_in);
       }
-      return x_rows.data();
+      return x_rows.get();
     }
   }
 
   // The shrunk rows as the expand's input type (rounded to bf16 for bf16 weights, as PEFT's bf16
   // adapters round their intermediate).
-  const W* shrunk_as_weights(int count, int64_t num_pages) {
+  const W* shrunk_as_weights(int64_t count, int64_t num_pages) {
     if constexpr (std::is_same_v<W, float>) {
-      return shrunk.data();
+      return shrunk.get();
     } else {
-      for (int r = 0; r < count; ++r)
-        from_float(shrunk.data() + r * ld_shrunk, shrunk_w.data() + r * ld_shrunk, num_pages * kBlockColumns);
-      return shrunk_w.data();
+      for (int64_t r = 0; r < count; ++r)
+        from_float(shrunk.get() + r * ld_shrunk, shrunk_w.get() + r * ld_shrunk, num_pages * kBlockColumns);
+      return shrunk_w.get();
     }
   }
 };

@@ -59,15 +59,17 @@ def test_add_lora_matches_reference(cpu_backend, dtype, pattern, num_tokens) -> 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_ranks_on_and_off_the_pages_edges(cpu_backend, rank, dtype) -> None:
     """A rank fills its last page partly or wholly (an odd one leaves a bf16 pair half padding);
-    model-sized slices (576 + 192 + 192 wide, 576 in) span several tiles of columns; a segment of 19
-    tokens spans several row tiles."""
+    model-sized slices (576 + 192 + 192 wide, 576 in) span several tiles of columns; a long segment
+    spans two whole chunks of rows and part of a third, its last row tile partial."""
     gen = torch.Generator().manual_seed(rank)
     widths, hidden = [576, 192, 192], 576
     layout = layout_of(cpu_backend, dtype, hidden, widths)
     lora = paged_lora(layout, [[rank] * 3, [3, 3, 3]], hidden, widths, gen)
-    x = torch.randn(25, hidden, generator=gen).to(dtype)
-    y = torch.randn(25, 960, generator=gen).to(dtype)
-    out, expected = run_both(cpu_backend, layout, lora, [0] * 19 + [-1] * 2 + [1] * 4, y, x)
+    long_segment = 2 * tuning.CPU_KERNEL_CONSTANTS["lora_chunk_rows"] + 11
+    entries = [0] * long_segment + [-1] * 2 + [1] * 4
+    x = torch.randn(len(entries), hidden, generator=gen).to(dtype)
+    y = torch.randn(len(entries), 960, generator=gen).to(dtype)
+    out, expected = run_both(cpu_backend, layout, lora, entries, y, x)
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 

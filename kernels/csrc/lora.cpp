@@ -10,7 +10,7 @@
 //   (`BlockPages`); rows of the last page past r are zero.
 // A long segment (a prefill) runs in chunks of up to kChunkRows rows: every row tile's shrink, then the
 // expand column group by column group, each group's runs of B read once for all the chunk's row tiles
-// (one row tile at a time re-read all of B per tile, from L2 or beyond once B outgrows it).
+// rather than all of B once per row tile (from L2, or beyond once B outgrows it).
 // The delta is accumulated in float32 and added to y with one rounding, as the reference does. Weights
 // are float32 (any x and y dtype) or bf16 (bf16 x and y, the engine's bf16 model: `vdpbf16ps` on
 // AVX512-BF16, widened elsewhere).

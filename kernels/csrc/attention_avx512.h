@@ -1,8 +1,9 @@
 // The AVX-512 form of the attention task of attention.cpp, for head sizes 64 and 128 in fp32 or
-// bf16: keys and values are read from the cache and widened in registers (no float copies), the
-// queries of up to four heads that share the KV head stay in registers across the keys, and so
-// do the output accumulators. Against the portable loops, which convert every cached row into a
-// float buffer first and accumulate through memory, it runs about half the instructions per key.
+// bf16: keys and values are read from the cache and widened in registers (no float copies; bf16 keys
+// on AVX512-BF16 are multiplied as stored pairs), the queries of up to four heads that share the KV
+// head stay in registers across the keys, and so do the output accumulators. Against the portable
+// loops, which convert every cached row into a float buffer first and accumulate through memory, it
+// runs about half the instructions per key.
 #pragma once
 #if defined(__AVX512F__)
 #include <immintrin.h>

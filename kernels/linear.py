@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_ops, tuning
+from kernels.huge_pages import copy_to_huge_pages
 
 # Output columns per packed block, and the K multiple, of each kernel.
 _AMX_BLOCK = 32
@@ -107,7 +108,8 @@ def available_kinds() -> list[str]:
 def pack_linear_weight(weight: torch.Tensor, kind: str | None = None) -> PackedLinear | None:
     """`weight` in the layout of `kind` (default: the fastest kernel here for its dtype), or None where
     that kernel does not apply to it (no such kernel in this CPU's form, another dtype or device,
-    dimensions)."""
+    dimensions). The packed copy is on huge pages where the system has them (kernels/huge_pages.py:
+    every decode step streams it)."""
     out_features, in_features = weight.shape
     kinds = [k for k in available_kinds() if KIND_DTYPES[k] == weight.dtype]
     kind = kind or (kinds[0] if kinds else None)
@@ -120,18 +122,18 @@ def pack_linear_weight(weight: torch.Tensor, kind: str | None = None) -> PackedL
         # 16-column B tiles whose rows hold consecutive pairs of K:
         # n = ((n_block * 2 + half) * 16 + column), k = (k_step * 16 + pair) * 2 + element
         tiles = weight.view(out_features // _AMX_BLOCK, 2, 16, in_features // _AMX_BLOCK, 16, 2)
-        return PackedLinear(kind, tiles.permute(0, 3, 1, 4, 2, 5).contiguous(), out_features, tuning.AMX_LINEAR_MAX_ROWS)
+        return PackedLinear(kind, copy_to_huge_pages(tiles.permute(0, 3, 1, 4, 2, 5)), out_features, tuning.AMX_LINEAR_MAX_ROWS)
     if out_features % _BLOCK_COLUMNS:
         return None
     if kind == "f32":
         # packed[N/16][K][16]: per block of 16 output columns, each k as one 64-byte row.
         blocks = weight.view(out_features // _BLOCK_COLUMNS, _BLOCK_COLUMNS, in_features)
-        return PackedLinear(kind, blocks.permute(0, 2, 1).contiguous(), out_features, None)
+        return PackedLinear(kind, copy_to_huge_pages(blocks.permute(0, 2, 1)), out_features, None)
     if in_features % 2:
         return None
     # packed[N/16][K/2][16][2]: per block of 16 output columns, each pair of K as one 64-byte vector.
     blocks = weight.view(out_features // _BLOCK_COLUMNS, _BLOCK_COLUMNS, in_features // 2, 2)
-    return PackedLinear(kind, blocks.permute(0, 2, 1, 3).contiguous(), out_features, None)
+    return PackedLinear(kind, copy_to_huge_pages(blocks.permute(0, 2, 1, 3)), out_features, None)
 
 
 def linear_packed(x: torch.Tensor, weight: PackedLinear, reads: Reads = NO_READS) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from kernels.huge_pages import empty_on_huge_pages
 from kernels.linear import NO_READS, LinearWeight, Reads
 from lora_runtime.forward_batch import ForwardBatch
 from lora_runtime.layers.rotary import RotaryEmbedding
@@ -39,18 +40,18 @@ class ModelWeights:
 
 @dataclass(slots=True)
 class KVCacheTensors:
-    """Per-layer caches `[num_blocks, block_size, num_kv_heads, head_dim]`."""
+    """Per-layer caches `[num_blocks, block_size, num_kv_heads, head_dim]`, zeroed, on huge pages where
+    the system has them (kernels/huge_pages.py: every decode step reads them)."""
 
     key: list[torch.Tensor]
     value: list[torch.Tensor]
 
     @classmethod
     def allocate(cls, shape: ModelShape, num_blocks: int, block_size: int, dtype: torch.dtype, device: str) -> KVCacheTensors:
-        dims = (num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
-        return cls(
-            key=[torch.zeros(dims, dtype=dtype, device=device) for _ in range(shape.num_layers)],
-            value=[torch.zeros(dims, dtype=dtype, device=device) for _ in range(shape.num_layers)],
-        )
+        # One allocation, so that only its end is rounded up to a whole huge page.
+        both = empty_on_huge_pages((2, shape.num_layers, num_blocks, block_size, shape.num_kv_heads, shape.head_dim),
+                                   dtype, device).zero_()
+        return cls(key=list(both[0].unbind()), value=list(both[1].unbind()))
 
 
 class LlamaModel:

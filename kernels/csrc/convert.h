@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -92,6 +92,25 @@ inline void from_float(const float* src, T* dst, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) dst[i] = from_float_one<T>(src[i]);
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// 16 bf16 values widened to float, and 16 floats rounded to bf16 as float_to_bf16_bits does (nearest
+// even, NaN quiet): one vector each way where a loop of the scalar forms vectorises as 2 x 8.
+inline __m512 bf16x16_to_float(const uint16_t* bits) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+inline void float_to_bf16x16(__m512 values, uint16_t* bits) {
+  const __m512i word = _mm512_castps_si512(values);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(word, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(word, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(word, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(bits), _mm512_cvtepi32_epi16(rounded));
+}
+#endif
 
 // The value a float takes once stored as T (identity for float).
 template <typename T>

@@ -64,6 +64,20 @@ void accumulate(T* y, int64_t ldy, int rows, const float* c, int64_t ldc, int64_
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// bf16 y a block of 16 columns at a time (`width` is whole blocks): for a low rank this pass costs more
+// than the tile's arithmetic.
+template <>
+void accumulate<bf16>(bf16* y, int64_t ldy, int rows, const float* c, int64_t ldc, int64_t width) {
+  for (int r = 0; r < rows; ++r) {
+    uint16_t* y_row = reinterpret_cast<uint16_t*>(y + r * ldy);
+    const float* c_row = c + r * ldc;
+    for (int64_t col = 0; col < width; col += kBlockColumns)
+      float_to_bf16x16(_mm512_add_ps(bf16x16_to_float(y_row + col), _mm512_loadu_ps(c_row + col)), y_row + col);
+  }
+}
+#endif
+
 // The segments of one call, with per-call scratch: x rows as W (converted where x is not W), the
 // shrunk rows of every slice side by side (float, then as W for the expand), one output tile and the
 // tiles' page pointers.

@@ -11,7 +11,14 @@ import torch
 from kernels import reference, tuning
 from kernels.linear import NO_READS
 from kernels.lora.layouts import ModuleShape, RowPages, TiledPages
-from kernels.lora.plans import CompiledLoraPlan, LoraSlice, PageTable, TorchLoraPlan, TritonLoraPlan, active_runs
+from kernels.lora.plans import (
+    CompiledLoraPlan,
+    LoraSlice,
+    PageTable,
+    TorchLoraPlan,
+    TritonLoraPlan,
+    active_runs,
+)
 from tests.kernels.factories import PagedLora, paged_lora, popularity_slots
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-2, torch.bfloat16: 3e-2}

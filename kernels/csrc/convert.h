@@ -1,7 +1,8 @@
 // The 16-bit float types of the kernels and their conversions to and from float, written as plain
-// loops over raw bits so the compiler vectorises them for each form, and the rounding the reference
-// implementations apply after every bf16/fp16 operation. No PyTorch headers: a form's library is
-// compiled with its own instruction-set flags and must share no inline code with the bindings.
+// loops over raw bits so the compiler vectorises them for each form (and, for bf16 on AVX-512, as one
+// 16-lane vector each way, bit for bit the same), and the rounding the reference implementations
+// apply after every bf16/fp16 operation. No PyTorch headers: a form's library is compiled with its
+// own instruction-set flags and must share no inline code with the bindings.
 #pragma once
 #include <bit>
 #include <cstdint>
@@ -95,7 +96,7 @@ inline void from_float(const float* src, T* dst, int64_t n) {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // 16 bf16 values widened to float, and 16 floats rounded to bf16 as float_to_bf16_bits does (nearest
-// even, NaN quiet): one vector each way where a loop of the scalar forms vectorises as 2 x 8.
+// even, any NaN 0x7fc0; not `vcvtneps2bf16`, which flushes subnormals to zero and keeps a NaN's sign).
 inline __m512 bf16x16_to_float(const uint16_t* bits) {
   const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));

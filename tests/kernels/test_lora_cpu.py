@@ -194,7 +194,8 @@ def test_tiles_fit_only_whole_blocks_of_columns(cpu_backend) -> None:
 def test_the_delta_is_rounded_into_y_once_to_nearest_even(cpu_backend, dtype) -> None:
     """With factors whose delta is exact (x's first feature times one column of B, small dyadics),
     y + delta lands on ties of the output dtype often: y must equal the sum rounded once, to nearest
-    even, bit for bit; a NaN or infinite y stays so."""
+    even, bit for bit; a NaN or infinite y stays so, and a subnormal y plus a zero delta stays that
+    subnormal."""
     gen = torch.Generator().manual_seed(5)
     num_tokens, hidden, width, rank = 24, 32, 96, 8
     layout = layout_of(cpu_backend, dtype, hidden, [width])
@@ -202,15 +203,18 @@ def test_the_delta_is_rounded_into_y_once_to_nearest_even(cpu_backend, dtype) ->
     lora_a, lora_b = torch.zeros(1, rank, hidden), torch.zeros(1, width, rank)
     lora_a[0, 0, 0] = 1.0
     lora_b[0, :, 0] = torch.randint(-64, 65, (width,), generator=gen) / 256
+    lora_b[0, 3, 0] = 0.0
     layout.write(a, b, [1], lora_a.to(layout.dtype), lora_b.to(layout.dtype))
     slices = [LoraSlice("m", a[0], b[0], 0, width)]
     x = torch.zeros(num_tokens, hidden, dtype=dtype)
     x[:, 0] = torch.randint(1, 4, (num_tokens,), generator=gen).to(dtype)
     y = torch.randn(num_tokens, width, generator=gen).to(dtype)
     y[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    y[:, 3] = torch.tensor(1e-39 if dtype == torch.bfloat16 else 1e-5).to(dtype)  # subnormal in either
     out = y.clone()
     cpu_backend.add_lora(out, x, slices, cpu_backend.plan_lora(layout, [0] * num_tokens, {"m": PageTable((rank,), ((1,),))}))
     expected = (y.float() + x[:, :1].float() * lora_b[0, :, 0]).to(dtype)
     assert torch.equal(out.isnan(), expected.isnan())
     finite = ~expected.isnan()
     assert torch.equal(out[finite], expected[finite])
+    assert (expected[:, 3] != 0).all()

@@ -17,8 +17,8 @@ least twice a 32 MB last-level cache, as a decode step's 30 layers read theirs. 
 bytes the op needs (each adapter's own rank) over the next-layer time, printed beside a plain
 streaming read (`benchmarks.roofline.measure_read_rate`); the arithmetic rate is the op's multiply-adds
 (each token at its adapter's rank) over the same-pages time.
-The base projection is not run, nor its fetch of the pages (`Backend.lora_reads`): these are the
-op's own costs. Each figure is the minimum over interleaved rounds (`benchmarks.kernels.make_timer`:
+The base projection is not run: these are the op's own costs (the op requests each segment's pages
+while the segment before computes). Each figure is the minimum over interleaved rounds (`benchmarks.kernels.make_timer`:
 the machine is shared, other jobs only add time). Last line: JSON.
 """
 from __future__ import annotations

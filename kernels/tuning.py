@@ -130,11 +130,3 @@ def decode_splits(num_programs: int, max_seq_len: int) -> int:
     affordable = max(1, max_seq_len // DECODE_MIN_SPLIT_TOKENS)
     splits = min(wanted, affordable, DECODE_MAX_SPLITS)
     return 1 << (splits.bit_length() - 1)  # round down to a power of two
-
-# The compiled matmuls fetch the adapter pages the LoRA op reads after them (`Backend.lora_reads`)
-# only up to this many bytes per projection: past what the caches keep until the op runs, fetching
-# evicts what was fetched first and slows the matmul. AMD Zen 5 (1 MB L2 a core, 32 MB L3), bf16, one
-# thread: 8 adapters of ranks 8-64 (<= 2.7 MB a projection) gained 4-5% with their pages fetched;
-# 118 distinct adapters in 128 tokens (~10-30 MB a projection) lost 4-6% (`python -m benchmarks.adapters
-# --counts 1024`, fetched against not: 55% / 62% of the base model against 59% / 65%).
-LORA_FETCH_MAX_BYTES = 4 << 20

@@ -6,7 +6,6 @@ from typing import Protocol
 
 import torch
 
-from kernels.linear import Reads
 
 
 class LoraBatch(Protocol):
@@ -14,9 +13,6 @@ class LoraBatch(Protocol):
 
     def apply(self, layer_idx: int, projection: str, y: torch.Tensor, x: torch.Tensor) -> None:
         """y `[num_tokens, out]` += LoRA(x `[num_tokens, in]`) for projection qkv | o | gate_up | down."""
-
-    def reads(self, layer_idx: int, projection: str) -> Reads:
-        """The adapter pages `apply` will read there, for the projection's matmul to request."""
 
 
 @dataclass(frozen=True, slots=True)

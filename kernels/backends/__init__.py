@@ -10,8 +10,8 @@ Every backend offers the same ops, and each op's per-step plan is built by the b
 
     linear(weight, bias=None) -> callable (x [M, in], reads=NO_READS) -> [M, out]; `reads`: the pages the
         op after the projection reads, which the compiled matmuls fetch while they compute
-    attention_reads(k_cache, v_cache, plan), lora_reads(slices, plan) -> those reads (NO_READS where
-        the backend's matmuls take none)
+    attention_reads(k_cache, v_cache, plan) -> those reads of attention (NO_READS where the backend's
+        matmuls take none)
     lora_layout(model_dtype, module_shapes) -> what a page of the adapter pool holds (kernels.lora.layouts)
     plan_attention(StepSequences) -> plan;  paged_attention(q, k_cache, v_cache, plan, scale) -> out
     store_kv(k, v, k_cache, v_cache, slot_mapping);  rotary_store_kv(qkv, positions, cos, sin,

@@ -8,7 +8,6 @@ from types import ModuleType
 
 import torch
 
-from kernels import tuning
 from kernels.attention.plans import CompiledAttentionPlan, StepSequences
 from kernels.attention.torch_ops import attend_prefill
 from kernels.backends.torch_backend import TorchBackend
@@ -107,14 +106,6 @@ class CompiledCPUBackend(TorchBackend):
                                    [piece.b for piece in slices], [plan.ranks[piece.module] for piece in slices],
                                    [plan.page_tables[piece.module] for piece in slices],
                                    [piece.start for piece in slices])
-
-    def lora_reads(self, slices: Sequence[LoraSlice], plan: CompiledLoraPlan | TorchLoraPlan) -> Reads:
-        if isinstance(plan, TorchLoraPlan):
-            return NO_READS
-        pages = [plan.pages_read[piece.module] for piece in slices]
-        if sum(ids.numel() * piece.page_bytes for ids, piece in zip(pages, slices)) > tuning.LORA_FETCH_MAX_BYTES:
-            return NO_READS
-        return Reads(tuple(pool for piece in slices for pool in (piece.a, piece.b)), tuple(ids for ids in pages for _ in range(2)))
 
 
 def _rows_of_one_dtype(first: torch.Tensor, *others: torch.Tensor) -> bool:

@@ -71,7 +71,3 @@ class TorchBackend:
 
     def add_lora(self, y, x, slices: Sequence[LoraSlice], plan: TorchLoraPlan) -> None:
         add_lora_torch(y, x, slices, plan)
-
-    def lora_reads(self, slices: Sequence[LoraSlice], plan) -> Reads:
-        """What `add_lora` will read (as `attention_reads`)."""
-        return NO_READS

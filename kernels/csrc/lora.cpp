@@ -11,6 +11,12 @@
 // A long segment (a prefill) runs in chunks of up to kChunkRows rows: every row tile's shrink, then the
 // expand column group by column group, each group's runs of B read once for all the chunk's row tiles
 // rather than all of B once per row tile (from L2, or beyond once B outgrows it).
+// The pages come from memory: a decode step reads each adapter's pages once, every layer, and they
+// outgrow the caches between steps. Each segment requests the next one's pages while it computes (a
+// page is a few KB to a few tens, too short a run for the hardware's prefetcher to reach full speed
+// on its own). AMD Zen 5, bf16, one thread: W's LoRA overhead +23% -> +19% against the projections'
+// matmuls fetching the pages instead, the op's one-token segments (118 adapters in a decode step)
+// 12% faster than with neither.
 // The delta is accumulated in float32 and added to y with one rounding, as the reference does. Weights
 // are float32 (any x and y dtype) or bf16 (bf16 x and y, the engine's bf16 model: `vdpbf16ps` on
 // AVX512-BF16, widened elsewhere).
@@ -40,14 +46,15 @@ constexpr int64_t kPageSteps = std::is_same_v<W, float> ? kBlockColumns : kBlock
 // One tile of the shrink or expand: rows x (blocks * 16) of the weights `b` into c [rows, blocks * 16]
 // (ldc), from x rows of `ldx` elements; `k` as the weight's element type counts it (pairs for bf16).
 template <typename W>
-void tile(int rows, int blocks, const W* x, int64_t ldx, const BlockPages<W>& b, int64_t k, float* c, int64_t ldc) {
+void tile(int rows, int blocks, const W* x, int64_t ldx, const BlockPages<W>& b, int64_t k, float* c, int64_t ldc,
+          const Prefetcher& fetch) {
   with_blocks(blocks, [&]<int NB>() {
     with_rows(rows, [&]<int MR>() {
       if constexpr (std::is_same_v<W, float>) {
-        f32_tile<MR, NB>(x, ldx, b, k, Prefetcher{}, c, ldc);
+        f32_tile<MR, NB>(x, ldx, b, k, fetch, c, ldc);
       } else {
         const BlockPages<uint16_t> bits{reinterpret_cast<const uint16_t* const*>(b.blocks), b.num_pages, b.page_steps};
-        bf16_tile<MR, NB>(reinterpret_cast<const uint16_t*>(x), ldx, bits, k, Prefetcher{}, c, ldc);
+        bf16_tile<MR, NB>(reinterpret_cast<const uint16_t*>(x), ldx, bits, k, fetch, c, ldc);
       }
     });
   });
@@ -79,6 +86,33 @@ void accumulate<bf16>(bf16* y, int64_t ldy, int rows, const float* c, int64_t ld
 }
 #endif
 
+// The pages of the next segment's A or B, requested a share per tile over the tiles of this segment's
+// shrink or expand, so that the reads overlap this segment's arithmetic.
+struct AheadFetch {
+  std::vector<FetchRun> runs;
+  int64_t lines = 0, tiles = 0, tile = 0;
+  RunCursor cursor{};
+
+  void clear() { runs.clear(), lines = 0, tiles = 0, tile = 0; }
+
+  void add(const void* start, int64_t bytes) {
+    runs.push_back({static_cast<const char*>(start), (bytes + 63) / 64});
+    lines += runs.back().lines;
+  }
+
+  void spread_over(int64_t num_tiles) { tiles = num_tiles, tile = 0, cursor = RunCursor{runs.data(), 0}; }
+
+  // The prefetcher of the next tile, which runs `steps` k-steps.
+  Prefetcher next_tile(int64_t steps) {
+    if (tile >= tiles || lines == 0) return Prefetcher{};
+    const int64_t share = lines * (tile + 1) / tiles - lines * tile / tiles;
+    ++tile;
+    const Prefetcher fetch{nullptr, 0, std::max<int64_t>(steps, 1), 0, cursor, share};
+    cursor.advance(share);
+    return fetch;
+  }
+};
+
 // The segments of one call, with per-call scratch: x rows as W (converted where x is not W), the
 // shrunk rows of every slice side by side (float, then as W for the expand), one output tile and the
 // tiles' page pointers.
@@ -92,6 +126,7 @@ struct SegmentRunner {
   std::unique_ptr<W[]> shrunk_w = scratch<W>(std::is_same_v<W, float> ? 0 : kChunkRows * ld_shrunk);
   std::unique_ptr<float[]> c = scratch<float>(kMaxRows * kMaxGroup * kBlockColumns);
   std::unique_ptr<const W*[]> blocks = scratch<const W*>(std::max(max_pages, total_pages_of(args)) * kMaxGroup);
+  AheadFetch ahead_a, ahead_b;
 
   // Uninitialised: every element is written before it is read (zeroing x's scratch alone took 7-10% of
   // W's decode batch, pages in cache).
@@ -112,10 +147,35 @@ struct SegmentRunner {
     return total;
   }
 
-  void run(int64_t segment) {
+  // Segment `segment` of the range ending at `end`.
+  void run(int64_t segment, int64_t end) {
     const int64_t* seg = args.segments + 3 * segment;  // start, length, entry
+    fetch_ahead(segment + 1 < end ? seg[5] : -1, std::min(kChunkRows, seg[1]), seg[2]);
     for (int64_t first = seg[0]; first < seg[0] + seg[1]; first += kChunkRows)
       chunk(first, std::min(kChunkRows, seg[0] + seg[1] - first), seg[2]);
+  }
+
+  // Spreads the pages of entry `next` (none if -1) over the tiles of the first chunk (`rows` rows) of
+  // this segment, of entry `entry`: its A over the shrink, its B over the expand.
+  void fetch_ahead(int64_t next, int64_t rows, int64_t entry) {
+    ahead_a.clear(), ahead_b.clear();
+    if (next < 0) return;
+    const int64_t row_tiles = (rows + kRows<W> - 1) / kRows<W>;
+    int64_t shrink_pages = 0, expand_tiles = 0;
+    for (int64_t i = 0; i < args.num_slices; ++i) {
+      const LoraSlice& slice = args.slices[i];
+      const int64_t page_elements[2] = {args.hidden_in * kBlockColumns, slice.out_features * kBlockColumns};
+      const int64_t* pages = slice.page_table + next * slice.max_pages;
+      for (int64_t page = 0; page < (slice.ranks[next] + kBlockColumns - 1) / kBlockColumns; ++page) {
+        ahead_a.add(static_cast<const W*>(slice.a_pages) + pages[page] * page_elements[0], page_elements[0] * sizeof(W));
+        ahead_b.add(static_cast<const W*>(slice.b_pages) + pages[page] * page_elements[1], page_elements[1] * sizeof(W));
+      }
+      if (slice.ranks[entry] == 0) continue;
+      shrink_pages += (slice.ranks[entry] + kBlockColumns - 1) / kBlockColumns;
+      expand_tiles += (slice.out_features / kBlockColumns + kGroup<W> - 1) / kGroup<W>;
+    }
+    ahead_a.spread_over(row_tiles * ((shrink_pages + kGroup<W> - 1) / kGroup<W>));
+    ahead_b.spread_over(row_tiles * expand_tiles);
   }
 
   // The shrink of every slice first, their pages side by side as the blocks of one matmul (x is
@@ -155,7 +215,7 @@ struct SegmentRunner {
     for (int64_t first = 0; first < total; first += kGroup<W>) {
       const int group = static_cast<int>(std::min<int64_t>(kGroup<W>, total - first));
       tile(rows, group, x, args.hidden_in, BlockPages<W>{blocks.get() + first, 1, k}, k, out + first * kBlockColumns,
-           ld_shrunk);
+           ld_shrunk, ahead_a.next_tile(k));
     }
     return total;
   }
@@ -180,7 +240,7 @@ struct SegmentRunner {
       for (int64_t row = 0; row < rows; row += kRows<W>) {
         const int tile_rows = static_cast<int>(std::min<int64_t>(kRows<W>, rows - row));
         tile(tile_rows, group, s + row * ld_shrunk, ld_shrunk, BlockPages<W>{blocks.get(), num_pages, kPageSteps<W>}, k,
-             c.get(), ldc);
+             c.get(), ldc, ahead_b.next_tile(k));
         accumulate(y + row * args.total_out + col, args.total_out, tile_rows, c.get(), ldc, group * kBlockColumns);
       }
     }
@@ -229,10 +289,10 @@ template <typename T>
 void run_segments(const LoraArgs& args, int64_t begin, int64_t end) {
   if (args.weight_dtype == DType::f32) {
     SegmentRunner<T, float> runner{args};
-    for (int64_t s = begin; s < end; ++s) runner.run(s);
+    for (int64_t s = begin; s < end; ++s) runner.run(s, end);
   } else if constexpr (std::is_same_v<T, bf16>) {
     SegmentRunner<bf16, bf16> runner{args};
-    for (int64_t s = begin; s < end; ++s) runner.run(s);
+    for (int64_t s = begin; s < end; ++s) runner.run(s, end);
   }
 }
 

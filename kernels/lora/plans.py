@@ -8,7 +8,7 @@ holds them in the form its backend reads."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import groupby
 
 import torch
@@ -48,10 +48,6 @@ class LoraSlice:
     b: torch.Tensor
     start: int
     end: int
-    page_bytes: int = field(init=False)  # one page of A and one of B
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "page_bytes", sum(t.stride(0) * t.element_size() for t in (self.a, self.b)))
 
 
 def active_runs(token_entries: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -87,7 +83,6 @@ class CompiledLoraPlan:
     segment_table: torch.Tensor  # [num_segments, 3] int64: (start, length, entry)
     ranks: Mapping[str, torch.Tensor]  # module -> [E] int64
     page_tables: Mapping[str, torch.Tensor]  # module -> [E, max_pages] int64
-    pages_read: Mapping[str, torch.Tensor]  # module -> [n] int64, the pages of the entries the segments use
 
     @property
     def num_segments(self) -> int:
@@ -96,13 +91,10 @@ class CompiledLoraPlan:
     @classmethod
     def build(cls, token_entries: Sequence[int], tables: Mapping[str, PageTable]) -> CompiledLoraPlan:
         rows = [(start, end - start, entry) for start, end, entry in active_runs(token_entries)]
-        used = dict.fromkeys(entry for _, _, entry in rows)  # in the order the op reaches them
         return cls(
             segment_table=torch.tensor(rows, dtype=torch.int64).view(-1, 3),
             ranks={module: torch.tensor(table.ranks, dtype=torch.int64) for module, table in tables.items()},
             page_tables={module: torch.tensor(table.padded(), dtype=torch.int64) for module, table in tables.items()},
-            pages_read={module: torch.tensor([page for entry in used for page in table.pages[entry]], dtype=torch.int64)
-                        for module, table in tables.items()},
         )
 
 

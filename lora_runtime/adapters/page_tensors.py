@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 import torch
 
 import kernels
-from kernels.linear import NO_READS, Reads
 from kernels.lora.layouts import PAGE_ROWS, LoraLayout, ModuleShape, pages_for_rank, write_tiles
 from kernels.lora.plans import LoraSlice, PageTable
 from lora_runtime.adapters.loader import LoadedAdapter
@@ -149,8 +148,3 @@ class LoraStep:
     def apply(self, layer_idx: int, projection: str, y: torch.Tensor, x: torch.Tensor) -> None:
         if projection in self.targeted:
             self.backend.add_lora(y, x, self.tensors.slices(layer_idx, projection), self.plan)
-
-    def reads(self, layer_idx: int, projection: str) -> Reads:
-        if projection not in self.targeted:
-            return NO_READS
-        return self.backend.lora_reads(self.tensors.slices(layer_idx, projection), self.plan)

@@ -104,10 +104,9 @@ class LlamaModel:
     @staticmethod
     def _project(layer_idx: int, projection: str, x: torch.Tensor, linear: LinearWeight, batch: ForwardBatch,
                  reads: Reads = NO_READS) -> torch.Tensor:
-        """The projection, and its adapters' deltas; its matmul requests the pages those (and the op
-        that follows, `reads`) will read while it computes."""
-        if batch.lora is None:
-            return linear(x, reads)
-        y = linear(x, reads + batch.lora.reads(layer_idx, projection))
-        batch.lora.apply(layer_idx, projection, y, x)
+        """The projection, and its adapters' deltas; its matmul requests what the op after the
+        projection reads (`reads`) while it computes."""
+        y = linear(x, reads)
+        if batch.lora is not None:
+            batch.lora.apply(layer_idx, projection, y, x)
         return y

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from kernels import reference, tuning
-from kernels.linear import NO_READS
 from kernels.lora.layouts import ModuleShape, RowPages, TiledPages
 from kernels.lora.plans import (
     CompiledLoraPlan,
@@ -108,27 +107,6 @@ def test_tokens_and_slices_without_an_adapter_are_untouched(cpu_backend) -> None
     assert not torch.equal(out[only_first][:, :16], y[only_first][:, :16])
 
 
-def test_the_projection_before_the_op_requests_the_pages_it_reads(cpu_backend, monkeypatch) -> None:
-    """The compiled op's pages (A and B of each slice, of the entries the step uses) are what the
-    backend hands the projection's matmul to fetch; the PyTorch loop's projections take none."""
-    gen = torch.Generator().manual_seed(2)
-    widths, hidden = [16, 32], 24
-    layout = layout_of(cpu_backend, torch.float32, hidden, widths)
-    lora = paged_lora(layout, [[4, 0], [20, 4], [8, 8]], hidden, widths, gen)
-    plan = cpu_backend.plan_lora(layout, [2, 2, -1, 0], lora.tables)
-    reads = cpu_backend.lora_reads(lora.slices, plan)
-    if isinstance(plan, TorchLoraPlan):
-        assert reads == NO_READS
-        return
-    assert reads.pools == tuple(pool for piece in lora.slices for pool in (piece.a, piece.b))
-    expected = [[page for entry in (2, 0) for page in lora.tables[piece.module].pages[entry]] for piece in lora.slices]
-    assert [pages.tolist() for pages in reads.pages] == [pages for pages in expected for _ in range(2)]
-    # More than the caches keep until the op runs: nothing is fetched (the op streams its pages itself).
-    size = sum(ids.numel() * pool.stride(0) * pool.element_size() for pool, ids in zip(reads.pools, reads.pages))
-    monkeypatch.setattr(tuning, "LORA_FETCH_MAX_BYTES", size - 1)
-    assert cpu_backend.lora_reads(lora.slices, plan) == NO_READS
-
-
 def test_segments_and_page_tables_of_a_step() -> None:
     entries = [2, 2, -1, 0, 0, 0, 2, -1, -1]
     assert active_runs(entries) == [(0, 2, 2), (3, 6, 0), (6, 7, 2)]
@@ -145,9 +123,7 @@ def test_segments_and_page_tables_of_a_step() -> None:
     compiled = CompiledLoraPlan.build(entries, tables)
     assert compiled.segment_table.tolist() == [[0, 2, 2], [3, 3, 0], [6, 1, 2]]
     assert compiled.page_tables["q_proj"].tolist() == [[4, 0, 0], [0, 0, 0], [7, 1, 9]]
-    # What the op will read: the pages of the entries the segments use, in the order it reaches them.
-    assert compiled.pages_read["q_proj"].tolist() == [7, 1, 9, 4]
-    assert CompiledLoraPlan.build([-1, 1, -1], tables).pages_read["q_proj"].tolist() == []
+    assert CompiledLoraPlan.build([-1, 1, -1], tables).segment_table.tolist() == [[1, 1, 1]]
     assert CompiledLoraPlan.build([-1, -1], {}).num_segments == 0
     with pytest.raises(AssertionError):
         PageTable((17,), ((3,),))  # rank 17 needs two pages

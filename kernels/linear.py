@@ -13,8 +13,8 @@ Semantics of the compiled matmuls: `x @ weight.T` accumulated in float32 and rou
 once (`kernels.reference.linear`).
 
 Every form takes the `Reads` of the op that follows the projection: the compiled matmuls request
-them into cache while they compute (they are bound by arithmetic, the LoRA op and decode attention
-by reading adapter pages and the KV cache from memory); the library matmuls ignore them."""
+them into cache while they compute (they are bound by arithmetic, decode attention by reading the KV
+cache from memory; the LoRA op fetches its adapter pages itself); the library matmuls ignore them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,9 +39,6 @@ class Reads:
 
     pools: tuple[torch.Tensor, ...] = ()
     pages: tuple[torch.Tensor, ...] = ()
-
-    def __add__(self, other: Reads) -> Reads:
-        return Reads(self.pools + other.pools, self.pages + other.pages)
 
 
 NO_READS = Reads()

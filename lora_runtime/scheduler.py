@@ -157,11 +157,19 @@ class Scheduler:
         self._schedule_running(budget, scheduled, preempted)
         if not preempted:
             self._schedule_waiting(budget, scheduled)
-        scheduled.sort(key=lambda item: (item.request.adapter_key is not None, item.request.adapter_key,
-                                         item.request.arrival_order))
+        scheduled.sort(key=self._step_order)
         keys = dict.fromkeys(item.request.adapter_key for item in scheduled if item.request.adapter_key is not None)
         adapters = tuple((key, self._adapters().placement(key)) for key in keys)
         return SchedulerOutput(scheduled=tuple(scheduled), preempted=tuple(preempted), adapters=adapters)
+
+    def _step_order(self, item: ScheduledRequest) -> tuple:
+        """Base-model requests first, then each adapter's requests side by side (the LoRA op reads an
+        adapter's pages once for all of its tokens), adapters in the order of their pages (so the
+        op streams the pools upwards), each in arrival order."""
+        key = item.request.adapter_key
+        if key is None:
+            return (False, -1, item.request.arrival_order)
+        return (True, self._adapters().placement(key).first_page, key, item.request.arrival_order)
 
     def _adapters(self) -> AdapterPagePool:
         assert self.adapter_pages is not None, "a request names an adapter but this scheduler has no adapter pool"

@@ -16,7 +16,7 @@ evicted; a reservation that does not fit changes nothing.
 """
 from __future__ import annotations
 
-import heapq
+import bisect
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
@@ -42,6 +42,13 @@ class AdapterPlacement:
     def num_pages(self) -> int:
         return sum(len(run.pages) for run in self.modules.values())
 
+    @property
+    def first_page(self) -> int:
+        """Its lowest page in any module (-1 where it adapts none): steps order their adapters by it,
+        so that the LoRA op sweeps each pool upwards (pools fill from the start, every adapter's pages
+        in a run where it can: alike in every module)."""
+        return min((run.pages[0] for run in self.modules.values()), default=-1)
+
 
 class AdapterPagePool:
     """`num_pages` pages per module of `modules`; `ranks_of(key)` gives a loaded adapter's rank per
@@ -53,8 +60,10 @@ class AdapterPagePool:
         self.num_pages = num_pages
         self.modules = modules
         self.ranks_of = ranks_of
-        # Free pages per module as heaps: the lowest is handed out first, so the pages in use stay at
-        # the pool's start and the memory an idle pool never touched stays uncommitted on CPU.
+        # Free pages per module, ascending. An adapter takes the lowest run of consecutive free pages
+        # that holds it (else the lowest free pages): the pages in use stay at the pool's start, so the
+        # memory an idle pool never touched stays uncommitted on CPU, and an adapter's pages stay one
+        # run of memory, which the op streams faster than scattered pages.
         self._free: dict[str, list[int]] = {module: list(range(num_pages)) for module in modules}
         self._placements: dict[Hashable, AdapterPlacement] = {}
         self._pins: dict[Hashable, int] = {}  # resident adapters -> requests running them
@@ -81,8 +90,7 @@ class AdapterPagePool:
             if not self._make_room(needed):
                 return False
             self._placements[key] = AdapterPlacement({
-                module: ModulePages(ranks[module], tuple(heapq.heappop(self._free[module]) for _ in range(count)))
-                for module, count in needed.items()
+                module: ModulePages(ranks[module], self._take(module, count)) for module, count in needed.items()
             })
         self._pins[key] = self._pins.get(key, 0) + 1
         self._idle.pop(key, None)
@@ -118,11 +126,20 @@ class AdapterPagePool:
                 return True
         return False
 
+    def _take(self, module: str, count: int) -> tuple[int, ...]:
+        """`count` free pages of `module` (there are enough): the lowest run of that many consecutive
+        pages, or the lowest pages where no run is that long."""
+        free = self._free[module]
+        start = 0 if count == 1 else next((i for i in range(len(free) - count + 1) if free[i + count - 1] - free[i] == count - 1), 0)
+        taken = free[start : start + count]
+        del free[start : start + count]
+        return tuple(taken)
+
     def _evict(self, key: Hashable) -> None:
         del self._idle[key]
         for module, run in self._placements.pop(key).modules.items():
             for page in run.pages:
-                heapq.heappush(self._free[module], page)
+                bisect.insort(self._free[module], page)
 
     @property
     def num_free_pages(self) -> dict[str, int]:

@@ -105,3 +105,23 @@ def test_invariants_under_random_traffic() -> None:
         for module in MODULES:
             used = sum(1 for (m, _) in owned if m == module)
             assert used + pool.num_free_pages[module] == pool.num_pages
+
+
+def test_an_adapter_takes_one_run_of_pages_where_the_pool_has_one() -> None:
+    """Eviction leaves holes; a newcomer takes the lowest run of consecutive pages that holds it rather
+    than the lowest pages, so the op reads its pages as one run of memory."""
+    ranks = {"a": {"q_proj": 16}, "b": {"q_proj": 16}, "c": {"q_proj": 32}, "d": {"q_proj": 16},
+             "e": {"q_proj": 32}, "f": {"q_proj": 32}}
+    pool = pool_of(5, ranks)
+    for key in "abcd":
+        assert pool.reserve(key)
+    assert [pool.placement(key).modules["q_proj"].pages for key in "abcd"] == [(0,), (1,), (2, 3), (4,)]
+    pool.release("a")
+    pool.release("c")
+    assert pool.reserve("e")  # evicts a, then c: pages 0, 2 and 3 free
+    assert pool.placement("e").modules["q_proj"].pages == (2, 3)
+    assert pool.num_free_pages["q_proj"] == 1
+    pool.release("d")
+    assert pool.reserve("f")  # evicts d: pages 0 and 4 free, no run of two, so the lowest two
+    assert pool.placement("f").modules["q_proj"].pages == (0, 4)
+    assert len(owners(pool, ranks)) == 5

@@ -3,6 +3,7 @@ preemption recomputes, FCFS order, no request starved (also across adapters), a 
 holding back decodes or new arrivals."""
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -95,7 +96,10 @@ def test_random_workload_respects_budgets_and_frees_every_block(seed: int) -> No
         assert all(_work(item, config) <= config.max_prefill_chunk_work for item in output.scheduled)
         assert len(output.scheduled) <= config.max_num_seqs
         keys = [item.request.adapter_key or "" for item in output.scheduled]
-        assert keys == sorted(keys), "one adapter's tokens must be contiguous"
+        runs = [key for key, _ in itertools.groupby(keys)]
+        assert len(runs) == len(set(runs)), "one adapter's tokens must be contiguous"
+        firsts = [pages.placement(key).first_page for key in runs if key]
+        assert "" not in runs[1:] and firsts == sorted(firsts), "base requests first, then adapters by their pages"
         assert [key for key, _ in output.adapters] == list(dict.fromkeys(key for key in keys if key))
         assert all(pages.placement(key) == placement for key, placement in output.adapters)
         running_keys = {r.adapter_key for r in scheduler.running if r.adapter_key}

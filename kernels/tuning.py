@@ -42,8 +42,9 @@ CPU_KERNEL_CONSTANTS: dict[str, int] = {
     # least this many FLOPs per fetched byte: a shorter matmul cannot hide the reads, and a decode
     # step of one long sequence (1 row, 1.7-5 MB of KV cache a layer) then waits for them instead.
     # AMD Zen 5, bf16 (~500 GFLOP/s, ~40 GB/s: 12.5 FLOPs per byte at both limits): workload W's
-    # qkv (71 MFLOP, 4.9 MB of KV blocks and adapter pages) gained; one sequence decoding after
-    # 6000 prompt tokens took 22.7 ms a token with its KV fetched against 19.0 without.
+    # qkv (71 MFLOP; then 4.9 MB fetched, its KV blocks with the adapter pages the matmuls fetched
+    # at the time, which the LoRA op now fetches itself) gained; one sequence decoding after 6000
+    # prompt tokens took 22.7 ms a token with its KV fetched against 19.0 without.
     "fetch_min_flops_per_byte": 10,
     # Instruction-peak probes (kernels/csrc/peak.cpp): independent multiply-add chains, enough to
     # hide the instruction's latency (on AMD Zen 5 the AVX512-BF16 rate stops growing at 16), within

@@ -35,6 +35,13 @@ CPU_KERNEL_CONSTANTS: dict[str, int] = {
     # benchmarks.lora_memory`, "W prefill"): 4.6-4.9 ms a layer against 5.1 ms for 8 rows (one row
     # tile at a time); 16 and 64 rows measured as 32 within noise; decode batches are unchanged.
     "lora_chunk_rows": 32,
+    # LoRA op: how far ahead of its tiles the op requests its pages (a decode step reads them from
+    # memory: they outgrow the caches between steps). AMD Zen 5, bf16, one thread, alternated in
+    # one process: W's LoRA overhead one point lower with 64 KiB than with each segment requesting
+    # the next one's pages (11 of 12 rounds), the 1024-adapter sweep unchanged (60.8% / 60.9%);
+    # the op alone on 118 one-token segments, pages sequential and flushed: 5-9% faster at 64-128
+    # KiB, no better at 256, slower at 1024 (L2 is 1 MiB).
+    "lora_fetch_lead_bytes": 64 * 1024,
     # max/logsumexp: the first index of a row's maximum is found by a vectorised test per chunk of
     # this many logits, then a scalar scan within the chunk.
     "first_index_chunk": 64,

@@ -12,11 +12,11 @@
 // expand column group by column group, each group's runs of B read once for all the chunk's row tiles
 // rather than all of B once per row tile (from L2, or beyond once B outgrows it).
 // The pages come from memory: a decode step reads each adapter's pages once, every layer, and they
-// outgrow the caches between steps. Each segment requests the next one's pages while it computes (a
-// page is a few KB to a few tens, too short a run for the hardware's prefetcher to reach full speed
-// on its own). AMD Zen 5, bf16, one thread: W's LoRA overhead +23% -> +19% against the projections'
-// matmuls fetching the pages instead, the op's one-token segments (118 adapters in a decode step)
-// 12% faster than with neither.
+// outgrow the caches between steps. The op requests them itself, a fixed distance ahead of its tiles
+// (`StreamFetch`): a page is a few KB to a few tens, and a call reads 4-6 pools at once, too short
+// and too many runs for the hardware's prefetcher to reach full speed on its own (AMD Zen 5, 118
+// one-token segments, pages in ascending order: 17 GB/s without the requests, 25-30 with them, 40 for
+// one plain stream of the same bytes).
 // The delta is accumulated in float32 and added to y with one rounding, as the reference does. Weights
 // are float32 (any x and y dtype) or bf16 (bf16 x and y, the engine's bf16 model: `vdpbf16ps` on
 // AVX512-BF16, widened elsewhere).
@@ -39,6 +39,7 @@ template <typename W>
 constexpr int kGroup = std::is_same_v<W, float> ? kF32TileBlocks : kBf16TileBlocks;
 constexpr int kMaxRows = 8, kMaxGroup = 3;  // the scratch covers any tile
 constexpr int64_t kChunkRows = tuning::kLoraChunkRows;
+constexpr int64_t kFetchLeadLines = tuning::kLoraFetchLeadBytes / 64;
 // k-steps of one page of B: 16 rank rows, or 8 pairs of them for bf16.
 template <typename W>
 constexpr int64_t kPageSteps = std::is_same_v<W, float> ? kBlockColumns : kBlockColumns / 2;
@@ -86,27 +87,28 @@ void accumulate<bf16>(bf16* y, int64_t ldy, int rows, const float* c, int64_t ld
 }
 #endif
 
-// The pages of the next segment's A or B, requested a share per tile over the tiles of this segment's
-// shrink or expand, so that the reads overlap this segment's arithmetic.
-struct AheadFetch {
+// The pages of the call's segments, requested as the tiles consume them: a run per page, in the order
+// the segments read them (a segment's A pages of every slice, then its B pages), and each tile asks
+// for its own new lines plus enough to keep kFetchLeadLines requested ahead of what the tiles have
+// read, so that the reads stream at an even rate under the arithmetic whatever the segments' ranks.
+struct StreamFetch {
   std::vector<FetchRun> runs;
-  int64_t lines = 0, tiles = 0, tile = 0;
+  int64_t total = 0, fetched = 0, consumed = 0, lead = 0;
   RunCursor cursor{};
-
-  void clear() { runs.clear(), lines = 0, tiles = 0, tile = 0; }
 
   void add(const void* start, int64_t bytes) {
     runs.push_back({static_cast<const char*>(start), (bytes + 63) / 64});
-    lines += runs.back().lines;
+    total += runs.back().lines;
   }
 
-  void spread_over(int64_t num_tiles) { tiles = num_tiles, tile = 0, cursor = RunCursor{runs.data(), 0}; }
+  void start(int64_t lead_lines) { lead = lead_lines, cursor = RunCursor{runs.data(), 0}; }
 
-  // The prefetcher of the next tile, which runs `steps` k-steps.
-  Prefetcher next_tile(int64_t steps) {
-    if (tile >= tiles || lines == 0) return Prefetcher{};
-    const int64_t share = lines * (tile + 1) / tiles - lines * tile / tiles;
-    ++tile;
+  // The prefetcher of a tile of `steps` k-steps that reads `new_lines` lines not read before.
+  Prefetcher next_tile(int64_t new_lines, int64_t steps) {
+    consumed += new_lines;
+    const int64_t share = std::max<int64_t>(0, std::min(total, consumed + lead) - fetched);
+    if (share == 0) return Prefetcher{};
+    fetched += share;
     const Prefetcher fetch{nullptr, 0, std::max<int64_t>(steps, 1), 0, cursor, share};
     cursor.advance(share);
     return fetch;
@@ -126,7 +128,7 @@ struct SegmentRunner {
   std::unique_ptr<W[]> shrunk_w = scratch<W>(std::is_same_v<W, float> ? 0 : kChunkRows * ld_shrunk);
   std::unique_ptr<float[]> c = scratch<float>(kMaxRows * kMaxGroup * kBlockColumns);
   std::unique_ptr<const W*[]> blocks = scratch<const W*>(std::max(max_pages, total_pages_of(args)) * kMaxGroup);
-  AheadFetch ahead_a, ahead_b;
+  StreamFetch stream;
 
   // Uninitialised: every element is written before it is read (zeroing x's scratch alone took 7-10% of
   // W's decode batch, pages in cache).
@@ -147,45 +149,39 @@ struct SegmentRunner {
     return total;
   }
 
-  // Segment `segment` of the range ending at `end`.
-  void run(int64_t segment, int64_t end) {
-    const int64_t* seg = args.segments + 3 * segment;  // start, length, entry
-    fetch_ahead(segment + 1 < end ? seg[5] : -1, std::min(kChunkRows, seg[1]), seg[2]);
-    for (int64_t first = seg[0]; first < seg[0] + seg[1]; first += kChunkRows)
-      chunk(first, std::min(kChunkRows, seg[0] + seg[1] - first), seg[2]);
+  // Requests the pages of segments [begin, end) as `run` consumes them.
+  void stream_pages(int64_t begin, int64_t end) {
+    for (int64_t segment = begin; segment < end; ++segment) {
+      const int64_t entry = args.segments[3 * segment + 2];
+      for (int half = 0; half < 2; ++half)
+        for (int64_t i = 0; i < args.num_slices; ++i) {
+          const LoraSlice& slice = args.slices[i];
+          const int64_t elements = (half == 0 ? args.hidden_in : slice.out_features) * kBlockColumns;
+          const W* pool = static_cast<const W*>(half == 0 ? slice.a_pages : slice.b_pages);
+          const int64_t* pages = slice.page_table + entry * slice.max_pages;
+          for (int64_t page = 0; page < (slice.ranks[entry] + kBlockColumns - 1) / kBlockColumns; ++page)
+            stream.add(pool + pages[page] * elements, elements * sizeof(W));
+        }
+    }
+    stream.start(kFetchLeadLines);
   }
 
-  // Spreads the pages of entry `next` (none if -1) over the tiles of the first chunk (`rows` rows) of
-  // this segment, of entry `entry`: its A over the shrink, its B over the expand.
-  void fetch_ahead(int64_t next, int64_t rows, int64_t entry) {
-    ahead_a.clear(), ahead_b.clear();
-    if (next < 0) return;
-    const int64_t row_tiles = (rows + kRows<W> - 1) / kRows<W>;
-    int64_t shrink_pages = 0, expand_tiles = 0;
-    for (int64_t i = 0; i < args.num_slices; ++i) {
-      const LoraSlice& slice = args.slices[i];
-      const int64_t page_elements[2] = {args.hidden_in * kBlockColumns, slice.out_features * kBlockColumns};
-      const int64_t* pages = slice.page_table + next * slice.max_pages;
-      for (int64_t page = 0; page < (slice.ranks[next] + kBlockColumns - 1) / kBlockColumns; ++page) {
-        ahead_a.add(static_cast<const W*>(slice.a_pages) + pages[page] * page_elements[0], page_elements[0] * sizeof(W));
-        ahead_b.add(static_cast<const W*>(slice.b_pages) + pages[page] * page_elements[1], page_elements[1] * sizeof(W));
-      }
-      if (slice.ranks[entry] == 0) continue;
-      shrink_pages += (slice.ranks[entry] + kBlockColumns - 1) / kBlockColumns;
-      expand_tiles += (slice.out_features / kBlockColumns + kGroup<W> - 1) / kGroup<W>;
-    }
-    ahead_a.spread_over(row_tiles * ((shrink_pages + kGroup<W> - 1) / kGroup<W>));
-    ahead_b.spread_over(row_tiles * expand_tiles);
+  // Segment `segment`.
+  void run(int64_t segment) {
+    const int64_t* seg = args.segments + 3 * segment;  // start, length, entry
+    for (int64_t first = seg[0]; first < seg[0] + seg[1]; first += kChunkRows)
+      chunk(first, std::min(kChunkRows, seg[0] + seg[1] - first), seg[2], first == seg[0]);
   }
 
   // The shrink of every slice first, their pages side by side as the blocks of one matmul (x is
   // shared: wider tiles for the small ranks), row tile by row tile, then each slice's expand from its
   // own columns.
-  void chunk(int64_t first, int64_t count, int64_t entry) {
+  void chunk(int64_t first, int64_t count, int64_t entry, bool first_chunk) {
     int64_t total_pages = 0;
     for (int64_t row = 0; row < count; row += kRows<W>) {
       const int tile_rows = static_cast<int>(std::min<int64_t>(kRows<W>, count - row));
-      total_pages = shrink(tile_rows, x_as_weights(first + row, tile_rows), entry, shrunk.get() + row * ld_shrunk);
+      total_pages = shrink(tile_rows, x_as_weights(first + row, tile_rows), entry, shrunk.get() + row * ld_shrunk,
+                           first_chunk && row == 0);
     }
     const W* s = shrunk_as_weights(count, total_pages);
     for (int64_t i = 0, offset = 0; i < args.num_slices; ++i) {
@@ -194,14 +190,14 @@ struct SegmentRunner {
       if (rank == 0) continue;
       const int64_t num_pages = (rank + kBlockColumns - 1) / kBlockColumns;
       expand(count, s + offset, static_cast<const W*>(slice.b_pages), slice.page_table + entry * slice.max_pages, num_pages,
-             rank, slice.out_features, static_cast<T*>(args.y) + first * args.total_out + slice.column);
+             rank, slice.out_features, static_cast<T*>(args.y) + first * args.total_out + slice.column, first_chunk);
       offset += num_pages * kBlockColumns;
     }
   }
 
   // out [rows, pages * 16] (ld_shrunk) = x_rows @ A.T over the entry's pages of every slice in slice
   // order, each page one block of 16 columns, kGroup pages a tile. Returns the number of pages.
-  int64_t shrink(int rows, const W* x, int64_t entry, float* out) {
+  int64_t shrink(int rows, const W* x, int64_t entry, float* out, bool first_reads) {
     const int64_t page_elements = args.hidden_in * kBlockColumns;
     const int64_t k = std::is_same_v<W, float> ? args.hidden_in : args.hidden_in / 2;
     int64_t total = 0;
@@ -215,7 +211,7 @@ struct SegmentRunner {
     for (int64_t first = 0; first < total; first += kGroup<W>) {
       const int group = static_cast<int>(std::min<int64_t>(kGroup<W>, total - first));
       tile(rows, group, x, args.hidden_in, BlockPages<W>{blocks.get() + first, 1, k}, k, out + first * kBlockColumns,
-           ld_shrunk, ahead_a.next_tile(k));
+           ld_shrunk, stream.next_tile(first_reads ? group * page_elements * int64_t{sizeof(W)} / 64 : 0, k));
     }
     return total;
   }
@@ -225,7 +221,7 @@ struct SegmentRunner {
   // hardware's prefetcher to follow, so the next group's runs are fetched before this one starts
   // (AVX512-BF16, 118 one-token segments: 14 -> 25 GB/s).
   void expand(int64_t rows, const W* s, const W* b_pages, const int64_t* pages, int64_t num_pages, int64_t rank,
-              int64_t out_features, T* y) {
+              int64_t out_features, T* y, bool first_reads) {
     const int64_t page_elements = out_features * kBlockColumns;
     const int64_t k = std::is_same_v<W, float> ? rank : (rank + 1) / 2;  // rows past the rank are zero
     constexpr int64_t block_elements = kBlockColumns * kBlockColumns;
@@ -239,8 +235,9 @@ struct SegmentRunner {
       fetch_runs(b_pages, pages, num_pages, page_elements, col + ldc, std::min(col + 2 * ldc, out_features));
       for (int64_t row = 0; row < rows; row += kRows<W>) {
         const int tile_rows = static_cast<int>(std::min<int64_t>(kRows<W>, rows - row));
+        const int64_t new_lines = first_reads && row == 0 ? group * num_pages * block_elements * int64_t{sizeof(W)} / 64 : 0;
         tile(tile_rows, group, s + row * ld_shrunk, ld_shrunk, BlockPages<W>{blocks.get(), num_pages, kPageSteps<W>}, k,
-             c.get(), ldc, ahead_b.next_tile(k));
+             c.get(), ldc, stream.next_tile(new_lines, k));
         accumulate(y + row * args.total_out + col, args.total_out, tile_rows, c.get(), ldc, group * kBlockColumns);
       }
     }
@@ -289,10 +286,12 @@ template <typename T>
 void run_segments(const LoraArgs& args, int64_t begin, int64_t end) {
   if (args.weight_dtype == DType::f32) {
     SegmentRunner<T, float> runner{args};
-    for (int64_t s = begin; s < end; ++s) runner.run(s, end);
+    runner.stream_pages(begin, end);
+    for (int64_t s = begin; s < end; ++s) runner.run(s);
   } else if constexpr (std::is_same_v<T, bf16>) {
     SegmentRunner<bf16, bf16> runner{args};
-    for (int64_t s = begin; s < end; ++s) runner.run(s, end);
+    runner.stream_pages(begin, end);
+    for (int64_t s = begin; s < end; ++s) runner.run(s);
   }
 }
 

@@ -36,12 +36,15 @@ CPU_KERNEL_CONSTANTS: dict[str, int] = {
     # tile at a time); 16 and 64 rows measured as 32 within noise; decode batches are unchanged.
     "lora_chunk_rows": 32,
     # LoRA op: how far ahead of its tiles the op requests its pages (a decode step reads them from
-    # memory: they outgrow the caches between steps). AMD Zen 5, bf16, one thread, alternated in
-    # one process: W's LoRA overhead one point lower with 64 KiB than with each segment requesting
-    # the next one's pages (11 of 12 rounds), the 1024-adapter sweep unchanged (60.8% / 60.9%);
-    # the op alone on 118 one-token segments, pages sequential and flushed: 5-9% faster at 64-128
-    # KiB, no better at 256, slower at 1024 (L2 is 1 MiB).
-    "lora_fetch_lead_bytes": 64 * 1024,
+    # memory: they outgrow the caches between steps), in the AVX-512 forms and in the others. AMD Zen
+    # 5, one thread, W alternated in one process against each segment requesting the next one's
+    # pages (the scheme before): AVX512-BF16 bf16, 64 KiB one point lower LoRA overhead (11 of 12
+    # rounds); AVX-512 float32, 64 KiB +14.7% and 32 KiB +15.0% against +17.8% (3 of 3); AVX2
+    # float32, 32 KiB +13.0% against +13.1%, 64 KiB +13.2% against +11.4%. The 1024-adapter sweep
+    # (bf16) unchanged (60.8% / 60.9%). The op alone on 118 one-token segments, pages flushed: 5-9%
+    # faster at 64-128 KiB, no better at 256, slower at 1024 (L2 is 1 MiB).
+    "lora_fetch_lead_bytes_avx512": 64 * 1024,
+    "lora_fetch_lead_bytes": 32 * 1024,
     # max/logsumexp: the first index of a row's maximum is found by a vectorised test per chunk of
     # this many logits, then a scalar scan within the chunk.
     "first_index_chunk": 64,

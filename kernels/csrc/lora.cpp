@@ -39,7 +39,11 @@ template <typename W>
 constexpr int kGroup = std::is_same_v<W, float> ? kF32TileBlocks : kBf16TileBlocks;
 constexpr int kMaxRows = 8, kMaxGroup = 3;  // the scratch covers any tile
 constexpr int64_t kChunkRows = tuning::kLoraChunkRows;
+#if defined(__AVX512F__)
+constexpr int64_t kFetchLeadLines = tuning::kLoraFetchLeadBytesAvx512 / 64;
+#else
 constexpr int64_t kFetchLeadLines = tuning::kLoraFetchLeadBytes / 64;
+#endif
 // k-steps of one page of B: 16 rank rows, or 8 pairs of them for bf16.
 template <typename W>
 constexpr int64_t kPageSteps = std::is_same_v<W, float> ? kBlockColumns : kBlockColumns / 2;

@@ -153,21 +153,25 @@ struct SegmentRunner {
     return total;
   }
 
-  // Requests the pages of segments [begin, end) as `run` consumes them.
+  // Requests the pages of segments [begin, end) as `run` consumes them: per segment, every slice's
+  // pages of A (the shrink), then of B (the expand).
   void stream_pages(int64_t begin, int64_t end) {
     for (int64_t segment = begin; segment < end; ++segment) {
       const int64_t entry = args.segments[3 * segment + 2];
-      for (int half = 0; half < 2; ++half)
-        for (int64_t i = 0; i < args.num_slices; ++i) {
-          const LoraSlice& slice = args.slices[i];
-          const int64_t elements = (half == 0 ? args.hidden_in : slice.out_features) * kBlockColumns;
-          const W* pool = static_cast<const W*>(half == 0 ? slice.a_pages : slice.b_pages);
-          const int64_t* pages = slice.page_table + entry * slice.max_pages;
-          for (int64_t page = 0; page < (slice.ranks[entry] + kBlockColumns - 1) / kBlockColumns; ++page)
-            stream.add(pool + pages[page] * elements, elements * sizeof(W));
-        }
+      for (int64_t i = 0; i < args.num_slices; ++i)
+        add_pages(args.slices[i], entry, args.slices[i].a_pages, args.hidden_in);
+      for (int64_t i = 0; i < args.num_slices; ++i)
+        add_pages(args.slices[i], entry, args.slices[i].b_pages, args.slices[i].out_features);
     }
     stream.start(kFetchLeadLines);
+  }
+
+  // The pages of `entry` in one pool of `slice` (A's or B's, of `width` x 16 elements a page).
+  void add_pages(const LoraSlice& slice, int64_t entry, const void* pool, int64_t width) {
+    const int64_t elements = width * kBlockColumns;
+    const int64_t* pages = slice.page_table + entry * slice.max_pages;
+    for (int64_t page = 0; page < (slice.ranks[entry] + kBlockColumns - 1) / kBlockColumns; ++page)
+      stream.add(static_cast<const W*>(pool) + pages[page] * elements, elements * sizeof(W));
   }
 
   // Segment `segment`.

@@ -130,7 +130,8 @@ class AdapterPagePool:
         """`count` free pages of `module` (there are enough): the lowest run of that many consecutive
         pages, or the lowest pages where no run is that long."""
         free = self._free[module]
-        start = 0 if count == 1 else next((i for i in range(len(free) - count + 1) if free[i + count - 1] - free[i] == count - 1), 0)
+        runs = (i for i in range(len(free) - count + 1) if free[i + count - 1] - free[i] == count - 1)
+        start = next(runs, 0)
         taken = free[start : start + count]
         del free[start : start + count]
         return tuple(taken)

@@ -46,8 +46,33 @@ def ops() -> ModuleType | None:
         logger.warning("compiled CPU ops are older than kernels/csrc or kernels/tuning.py: serving through "
                        "the PyTorch paths; `make install` rebuilds them")
         return None
-    logger.info("compiled CPU ops: form %s (runnable here: %s)", loaded[-1], ", ".join(loaded))
+    form, why = _preferred_form(module, loaded)
+    module.use_form(form)
+    logger.info("compiled CPU ops: form %s (runnable here: %s)%s", form, ", ".join(loaded), why)
     return module
+
+
+def _preferred_form(module: ModuleType, loaded: list[str]) -> tuple[str, str]:
+    """The form to serve with, and why where it is not simply the last one loaded: the AVX512-BF16 form
+    gives way to the AVX-512 one where this CPU's `vdpbf16ps` is slow (`prefers_bf16_dot`)."""
+    best = loaded[-1]
+    if best != "avx512_bf16" or "avx512" not in loaded:
+        return best, ""
+    module.use_form(best)  # both probes in the AVX512-BF16 form's library: zmm FMA against vdpbf16ps
+    dot, fma = 0.0, 0.0
+    for attempt in range(tuning.FORM_PROBE_TRIES):  # interleaved, so that a slow spell hits both
+        dot = max(dot, module.peak_flops("bf16_dot", tuning.FORM_PROBE_ITERATIONS, 1.0 + attempt))
+        fma = max(fma, module.peak_flops("f32_fma", tuning.FORM_PROBE_ITERATIONS, 1.0 + attempt))
+    if prefers_bf16_dot(dot, fma):
+        return best, ""
+    return "avx512", (f"; vdpbf16ps {dot / 1e9:.0f} GFLOP/s against float32 FMA {fma / 1e9:.0f}: bf16 "
+                      "widened to float32 is faster here")
+
+
+def prefers_bf16_dot(dot_flops: float, fma_flops: float) -> bool:
+    """Whether bf16 is multiplied faster by `vdpbf16ps` (at `dot_flops` per second) than widened to
+    float32 and multiplied by FMA (at `fma_flops`); kernels/tuning.py has the measurements."""
+    return dot_flops >= tuning.BF16_DOT_MIN_SHARE_OF_FMA * fma_flops
 
 
 def _library_path(form: str) -> Path | None:
@@ -106,10 +131,16 @@ def unavailable_reason(form: str) -> str | None:
     return None
 
 
-def native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX) and the compiled ops can use it;
-    without the compiled ops bf16 takes PyTorch's widened paths, slower than float32."""
-    return any(form in ("avx512_bf16", "amx") for form in runnable_forms())
+def bf16_matmul() -> str | None:
+    """How the active form's compiled matmuls multiply bf16 where that beats float32 on this CPU:
+    "vdpbf16ps" (AVX512-BF16 and AMX forms: twice FMA's FLOPs per instruction) or "widened to
+    float32" (the AVX-512 form: bf16 weights widened to float32 for `vfmadd`, the same arithmetic as float32
+    on half the bytes); None elsewhere. Measured on an Intel Xeon in the AVX-512 form, one thread,
+    `python -m benchmarks.engine --adapters 8 --targets all-linear`: bf16 base 273.8, W 240.4 tokens
+    per CPU-second against float32 262.2, 222.5. In the AVX2 form the widened bf16 matmul ran the
+    base workload slower than float32 (115.7 against 129.7) and without the compiled ops bf16 takes
+    PyTorch's widened paths (5x slower than float32 on an AMD Zen 3): float32 there."""
+    return {"amx": "vdpbf16ps", "avx512_bf16": "vdpbf16ps", "avx512": "widened to float32"}.get(active_form() or "")
 
 
 def active_form() -> str | None:

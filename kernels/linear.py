@@ -4,8 +4,9 @@ fastest matmul. `Backend.linear(weight, bias)` picks the form; each is a callabl
 - `PlainLinear`: `F.linear` (MKL/oneDNN on CPU, cuBLAS on CUDA), the public path.
 - `CompiledLinear`: a compiled matmul of the CPU ops (kernels/csrc/linear.cpp, amx_linear.cpp):
   `f32` (`vfmadd` on AVX2 and AVX-512 forms: MKL's sgemm, which F.linear calls, runs on its AVX2 path
-  on AMD CPUs), `avx512_bf16` on `vdpbf16ps` (AVX512-BF16 CPUs, every batch size: faster than oneDNN
-  at all sizes measured) or `amx` on AMX tiles (decode-sized batches; above
+  on AMD CPUs), `bf16` (`vdpbf16ps` in the AVX512-BF16 form; bf16 weights widened to float32 for
+  `vfmadd` in the AVX2 and AVX-512 forms; every batch size: faster than oneDNN at all sizes measured)
+  or `amx` on AMX tiles (decode-sized batches; above
   `tuning.AMX_LINEAR_MAX_ROWS` oneDNN's prepacked matmul is faster, and is the one place this library
   uses PyTorch's private `mkldnn` ops: measured 1.3-2x faster than `F.linear` on the same bf16
   tensors at 96-300 rows on the AMX machine).
@@ -27,9 +28,9 @@ from kernels.huge_pages import copy_to_huge_pages
 
 # Output columns per packed block, and the K multiple, of each kernel.
 _AMX_BLOCK = 32
-_BLOCK_COLUMNS = 16  # f32 and avx512_bf16
-KINDS = ("amx", "avx512_bf16", "f32")
-KIND_DTYPES = {"amx": torch.bfloat16, "avx512_bf16": torch.bfloat16, "f32": torch.float32}
+_BLOCK_COLUMNS = 16  # f32 and bf16
+KINDS = ("amx", "bf16", "f32")
+KIND_DTYPES = {"amx": torch.bfloat16, "bf16": torch.bfloat16, "f32": torch.float32}
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +139,6 @@ def linear_packed(x: torch.Tensor, weight: PackedLinear, reads: Reads = NO_READS
     `reads` into cache meanwhile."""
     out = torch.empty(x.shape[0], weight.out_features, dtype=KIND_DTYPES[weight.kind])
     ops = cpu_ops.ops()
-    run = {"amx": ops.amx_linear, "avx512_bf16": ops.bf16_linear, "f32": ops.f32_linear}[weight.kind]
+    run = {"amx": ops.amx_linear, "bf16": ops.bf16_linear, "f32": ops.f32_linear}[weight.kind]
     run(out, x.contiguous(), weight.packed, list(reads.pools), list(reads.pages))
     return out

@@ -26,6 +26,13 @@ CPU_KERNEL_CONSTANTS: dict[str, int] = {
     "f32_linear_tile_blocks_avx512": 3,
     "f32_linear_tile_rows_avx2": 6,
     "f32_linear_tile_blocks_avx2": 1,
+    # bf16 widened to float32 (the AVX-512 and AVX2 forms): the same accumulators as float32. Intel
+    # Xeon (family 6 model 207), GFLOP/s at 16 / 64 rows over the projections' shapes, weights out of
+    # cache: AVX-512 8x3 130-137, 6x3 120-131, 8x2 92-132; AVX2 6x1 58-63, 5x1 55 / 65, 4x1 56-57.
+    "bf16_fma_tile_rows_avx512": 8,
+    "bf16_fma_tile_blocks_avx512": 3,
+    "bf16_fma_tile_rows_avx2": 6,
+    "bf16_fma_tile_blocks_avx2": 1,
     # The portable tiles (plain loops; the LoRA op's tiles in forms without the instructions).
     "portable_tile_rows": 4,
     "portable_tile_blocks": 1,
@@ -94,11 +101,24 @@ PREFILL_QUERY_CHUNK = 256
 # 128 0.96x, 256 0.87x; 1536 -> 576: 1.18x, 1.13x, 1.05x, 1.01x; the LM head 576 -> 49152: 1.02x,
 # 0.92x, 0.86x, 0.96x.
 AMX_LINEAR_MAX_ROWS = 96
-# CPU bf16 projections on AVX512-BF16 CPUs without AMX (kernels/csrc/bf16_linear.cpp) take the
-# compiled matmul at every batch size, and no oneDNN copy of the weight is kept. oneDNN time / ours
+# CPU bf16 projections without AMX (kernels/csrc/linear.cpp: `vdpbf16ps` on AVX512-BF16, widened
+# to float32 on AVX-512 and AVX2) take the compiled matmul at every batch size, and no oneDNN copy
+# of the weight is kept. oneDNN time / ours
 # on AMD Zen 5, rows 1 / 16 / 64 / 128 / 256: 576 -> 3072: 1.11x, 1.69x, 1.19x, 1.13x, 1.04x;
 # 1536 -> 576: 1.35x, 1.53x, 1.18x, 1.11x, 1.05x; the LM head 576 -> 49152: 0.93x, 1.64x, 1.20x,
 # 1.11x, 1.05x; at 512 and 2048 rows 1.01-1.07x.
+
+# The AVX512-BF16 form is used only where `vdpbf16ps` does at least this share of the FLOPs per
+# second of float32 FMA (kernels/csrc/peak.cpp's probes, best of FORM_PROBE_TRIES runs of
+# FORM_PROBE_ITERATIONS each, 20 ms at import here); elsewhere the AVX-512 form, whose bf16 matmul
+# widens the weights to float32 and multiplies them with `vfmadd` (two FMAs per pair of k where
+# `vdpbf16ps` takes one, plus the widening: it wins below ~0.9). Intel Xeon (family 6 model 207,
+# AMX hidden by the hypervisor): `vdpbf16ps` 86 GFLOP/s against FMA 175 (0.49); the widened matmul
+# ran 576 -> 3072 at 135 GFLOP/s against 84 for 16-64 rows, and the engine's bf16 base workload at
+# 273.8 against 186.1 tokens/CPU-s. AMD Zen 5: 568 against 271 (2.1): the AVX512-BF16 form.
+BF16_DOT_MIN_SHARE_OF_FMA = 1.0
+FORM_PROBE_ITERATIONS = 300_000
+FORM_PROBE_TRIES = 3
 
 # Row count oneDNN's packed bf16 weight layout is tuned for: a typical decode step of the default scheduler.
 ONEDNN_PACKING_ROWS = 64

@@ -96,8 +96,8 @@ class LimitsConfig:
 class EngineConfig:
     """Everything the engine needs. `model=None` is the embedded SmolLM2-135M-Instruct.
 
-    `dtype="auto"`: bf16 where the device multiplies it natively (CUDA; CPUs with AVX512-BF16 or AMX),
-    float32 elsewhere (`lora_runtime.dtypes`); tests that compare with HF logits use float32.
+    `dtype="auto"`: bf16 where the device multiplies it at least as fast as float32 (CUDA; CPUs with
+    AVX-512), float32 elsewhere (`lora_runtime.dtypes`); tests that compare with HF logits use float32.
     `kernel_backend`: None picks by device (`kernels.backend_for`); "cpu", "torch" or "triton" force one.
     """
 

@@ -1,10 +1,12 @@
-"""The model's dtype: an explicit one, or "auto", bf16 where the device multiplies it natively and
-float32 elsewhere.
+"""The model's dtype: an explicit one, or "auto", bf16 where the device multiplies it at least as fast
+as float32 and float32 elsewhere.
 
+On CPU that is where the compiled ops have an AVX-512 form (`kernels.cpu_ops.bf16_matmul`): with
+`vdpbf16ps` (AVX512-BF16, AMX) bf16 does twice FMA's multiply-adds per instruction, and without it the
+AVX-512 form widens bf16 weights to float32 in registers (the same arithmetic on half the bytes).
 Measured on an AVX2-only AMD Zen 3 (one thread, the engine benchmark's 64 requests): bf16 ran at
-18.7 tokens per CPU-second against 113 in float32, since without bf16 instructions every bf16
-product is widened in software; on AVX512-BF16 and AMX CPUs bf16 is the faster one (half the bytes
-to read, and `vdpbf16ps` / tiles do twice the multiply-adds of fp32 FMA)."""
+18.7 tokens per CPU-second against 113 in float32 before the AVX2 form had a bf16 matmul, and slower
+than float32 since (kernels/cpu_ops.py)."""
 from __future__ import annotations
 
 import torch
@@ -26,7 +28,9 @@ def resolve_dtype(requested: str, device: str) -> tuple[str, str]:
             return "bfloat16", "auto: this GPU multiplies bf16 natively"
         return "float16", "auto: this GPU has no bf16 arithmetic"
     if kind == "cpu":
-        if cpu_ops.native_bf16():
-            return "bfloat16", f"auto: this CPU multiplies bf16 natively (compiled CPU ops: {cpu_ops.active_form()})"
-        return "float32", "auto: this CPU has no bf16 multiply instructions (no AVX512-BF16 or AMX)"
+        how = cpu_ops.bf16_matmul()
+        if how is not None:
+            return "bfloat16", (f"auto: the compiled matmuls multiply bf16 at float32's rate or better here ({how}; "
+                                f"compiled CPU ops: {cpu_ops.active_form()})")
+        return "float32", "auto: no AVX-512 form of the compiled CPU ops here: bf16 would be slower than float32"
     return "float32", f"auto: float32 on {kind}"

@@ -112,7 +112,7 @@ bool has_vector_attention() { return table().vector_attention; }
 std::vector<std::string> linear_kernels() {
   std::vector<std::string> kinds;
   if (table().amx_linear) kinds.push_back("amx");
-  if (table().bf16_linear) kinds.push_back("avx512_bf16");
+  if (table().bf16_linear) kinds.push_back("bf16");
   if (table().f32_linear) kinds.push_back("f32");
   return kinds;
 }
@@ -344,7 +344,7 @@ void bf16_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, std::
                  std::vector<torch::Tensor> fetch_pages) {
   check_linear(out, x, packed, at::kBFloat16);
   TORCH_CHECK(x.size(1) % 2 == 0 && out.size(1) % 16 == 0, "K must be even and N a multiple of 16");
-  TORCH_CHECK(table().bf16_linear != nullptr, "the active form has no AVX512-BF16 matmul");
+  TORCH_CHECK(table().bf16_linear != nullptr, "the active form has no bf16 matmul");
   run_linear(table().bf16_linear, table().bf16_linear_groups, out, x, packed, x.size(0), fetch_pools, fetch_pages);
 }
 

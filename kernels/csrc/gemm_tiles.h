@@ -10,7 +10,8 @@
 // A block's k-steps may lie in several pages (`BlockPages`): the LoRA op's B holds each adapter's
 // rank rows in pages of 16 wherever the adapter pool put them.
 // Forms: float32 on AVX-512 (zmm: MR x NB accumulators) and on AVX2 + FMA (ymm: MR x 2NB), bf16 on
-// AVX512-BF16; every form has the portable tiles (plain loops the compiler vectorises as it can),
+// AVX512-BF16 (`vdpbf16ps`) and on AVX-512 and AVX2 + FMA (widened to float32); the generic form has
+// the portable tiles (plain loops the compiler vectorises as it can),
 // which the LoRA op uses where no intrinsic tile exists. Which tile shapes each form's matmuls use is
 // in kernels/tuning.py.
 #pragma once
@@ -40,6 +41,10 @@ constexpr int kF32TileRows = tuning::kPortableTileRows, kF32TileBlocks = tuning:
 #endif
 #if defined(__AVX512BF16__)
 constexpr int kBf16TileRows = tuning::kBf16LinearTileRows, kBf16TileBlocks = tuning::kBf16LinearTileBlocks;
+#elif defined(__AVX512F__)
+constexpr int kBf16TileRows = tuning::kBf16FmaTileRowsAvx512, kBf16TileBlocks = tuning::kBf16FmaTileBlocksAvx512;
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kBf16TileRows = tuning::kBf16FmaTileRowsAvx2, kBf16TileBlocks = tuning::kBf16FmaTileBlocksAvx2;
 #else
 constexpr int kBf16TileRows = tuning::kPortableTileRows, kBf16TileBlocks = tuning::kPortableTileBlocks;
 #endif
@@ -195,6 +200,92 @@ inline void bf16_tile(const uint16_t* x, int64_t ldx, const BlockPages<uint16_t>
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < NB; ++v) _mm512_storeu_ps(c + m * ldc + 16 * v, acc[m][v]);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// bf16 weights, float32 arithmetic, in the forms without `vdpbf16ps`: a bf16 is the top half of its
+// float32, so a vector of 16 column pairs widens exactly into the even k's 16 columns (a shift) and
+// the odd k's (a mask), each multiplied by `vfmadd`. x's rows are widened kWidenPairs pairs at a time
+// into a float buffer, so that each multiplier is one broadcast load.
+constexpr int64_t kWidenPairs = 32;
+
+template <int MR>
+inline void widen_rows(const uint16_t* x, int64_t ldx, int64_t first_pair, int64_t pairs, float* xf) {
+  for (int m = 0; m < MR; ++m) {
+    const uint16_t* row = x + m * ldx + 2 * first_pair;
+#pragma omp simd
+    for (int64_t e = 0; e < 2 * pairs; ++e) xf[m * 2 * kWidenPairs + e] = bf16_bits_to_float(row[e]);
+  }
+}
+
+// Runs body(kp, xk) over the k-pairs of `b`'s pages, xk pointing at pair kp of row 0 of the widened
+// x (row m at + m * 2 * kWidenPairs); w[v] walks block v's current page.
+template <int MR, int NB, typename Body>
+inline void for_each_widened_pair(const uint16_t* x, int64_t ldx, const BlockPages<uint16_t>& b, int64_t k_pairs,
+                                  const uint16_t* (&w)[NB], Body body) {
+  alignas(64) float xf[MR * 2 * kWidenPairs];
+  for (int64_t page = 0, kp = 0; page < b.num_pages; ++page) {
+    for (int v = 0; v < NB; ++v) w[v] = b.blocks[page * NB + v];
+    for (const int64_t page_end = std::min(k_pairs, kp + b.page_steps); kp < page_end;) {
+      const int64_t first = kp, chunk_end = std::min(page_end, kp + kWidenPairs);
+      widen_rows<MR>(x, ldx, first, chunk_end - first, xf);
+      for (; kp < chunk_end; ++kp) body(xf + 2 * (kp - first));
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+template <int MR, int NB>
+inline void bf16_tile(const uint16_t* x, int64_t ldx, const BlockPages<uint16_t>& b, int64_t k_pairs, Prefetcher fetch,
+                      float* c, int64_t ldc) {
+  __m512 acc[MR][NB];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NB; ++v) acc[m][v] = _mm512_setzero_ps();
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  const uint16_t* w[NB];
+  for_each_widened_pair<MR, NB>(x, ldx, b, k_pairs, w, [&](const float* xk) {
+    fetch.step();
+    __m512 even[NB], odd[NB];
+    for (int v = 0; v < NB; ++v) {
+      const __m512i pairs = _mm512_loadu_si512(w[v]);
+      even[v] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+      odd[v] = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));
+      w[v] += 2 * kBlockColumns;
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m512 a0 = _mm512_set1_ps(xk[m * 2 * kWidenPairs]), a1 = _mm512_set1_ps(xk[m * 2 * kWidenPairs + 1]);
+      for (int v = 0; v < NB; ++v) acc[m][v] = _mm512_fmadd_ps(a1, odd[v], _mm512_fmadd_ps(a0, even[v], acc[m][v]));
+    }
+  });
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NB; ++v) _mm512_storeu_ps(c + m * ldc + 16 * v, acc[m][v]);
+}
+#else
+// AVX2: each block's 16 columns are two vectors of 8 (ymm), widened to four.
+template <int MR, int NB>
+inline void bf16_tile(const uint16_t* x, int64_t ldx, const BlockPages<uint16_t>& b, int64_t k_pairs, Prefetcher fetch,
+                      float* c, int64_t ldc) {
+  __m256 acc[MR][2 * NB];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < 2 * NB; ++v) acc[m][v] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  const uint16_t* w[NB];
+  for_each_widened_pair<MR, NB>(x, ldx, b, k_pairs, w, [&](const float* xk) {
+    fetch.step();
+    __m256 even[2 * NB], odd[2 * NB];
+    for (int v = 0; v < 2 * NB; ++v) {
+      const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[v / 2] + 16 * (v % 2)));
+      even[v] = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+      odd[v] = _mm256_castsi256_ps(_mm256_and_si256(pairs, high));
+    }
+    for (int v = 0; v < NB; ++v) w[v] += 2 * kBlockColumns;
+    for (int m = 0; m < MR; ++m) {
+      const __m256 a0 = _mm256_set1_ps(xk[m * 2 * kWidenPairs]), a1 = _mm256_set1_ps(xk[m * 2 * kWidenPairs + 1]);
+      for (int v = 0; v < 2 * NB; ++v) acc[m][v] = _mm256_fmadd_ps(a1, odd[v], _mm256_fmadd_ps(a0, even[v], acc[m][v]));
+    }
+  });
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < 2 * NB; ++v) _mm256_storeu_ps(c + m * ldc + 8 * v, acc[m][v]);
+}
+#endif
 #else
 template <int MR, int NB>
 inline void bf16_tile(const uint16_t* x, int64_t ldx, const BlockPages<uint16_t>& b, int64_t k_pairs, Prefetcher fetch,

@@ -1,5 +1,6 @@
 // y = x @ W.T with the weight packed once for this form's microkernel (gemm_tiles.h):
-//   float32 on AVX2 + FMA and AVX-512 (`vfmadd`), bf16 on AVX512-BF16 (`vdpbf16ps`),
+//   float32 on AVX2 + FMA and AVX-512 (`vfmadd`), bf16 on AVX512-BF16 (`vdpbf16ps`) and, widened to
+//   float32 in registers, on AVX2 + FMA and AVX-512 (`vfmadd`),
 // accumulated in float32 and rounded to the output's dtype once, as the reference (a float32 matmul
 // of the same inputs, rounded) does.
 //
@@ -99,13 +100,11 @@ int64_t f32_linear_groups(int64_t n) { return (n / kBlockColumns + kF32TileBlock
 
 void f32_linear(const LinearArgs& args, int64_t begin, int64_t end) { linear<float, kF32TileRows, kF32TileBlocks>(args, begin, end); }
 
-#if defined(__AVX512BF16__)
 int64_t bf16_linear_groups(int64_t n) { return (n / kBlockColumns + kBf16TileBlocks - 1) / kBf16TileBlocks; }
 
 void bf16_linear(const LinearArgs& args, int64_t begin, int64_t end) {
   linear<uint16_t, kBf16TileRows, kBf16TileBlocks>(args, begin, end);
 }
-#endif  // __AVX512BF16__
 
 }  // namespace cpu_ops
 

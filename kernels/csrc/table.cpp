@@ -27,8 +27,6 @@ cpu_ops::KernelTable make_table() {
 #if defined(__AVX2__) && defined(__FMA__)
   table.f32_linear = &cpu_ops::f32_linear;
   table.f32_linear_groups = &cpu_ops::f32_linear_groups;
-#endif
-#if defined(__AVX512BF16__)
   table.bf16_linear = &cpu_ops::bf16_linear;
   table.bf16_linear_groups = &cpu_ops::bf16_linear_groups;
 #endif

@@ -26,8 +26,8 @@ from kernels.linear import (
 from tests.kernels.conftest import use_form
 
 # (form, kind): each compiled matmul in each form that has it.
-FORM_KINDS = [("avx2", "f32"), ("avx512", "f32"), ("avx512_bf16", "f32"), ("avx512_bf16", "avx512_bf16"),
-              ("amx", "f32"), ("amx", "avx512_bf16"), ("amx", "amx")]
+FORM_KINDS = [("avx2", "f32"), ("avx2", "bf16"), ("avx512", "f32"), ("avx512", "bf16"),
+              ("avx512_bf16", "f32"), ("avx512_bf16", "bf16"), ("amx", "f32"), ("amx", "bf16"), ("amx", "amx")]
 kinds = pytest.mark.parametrize("form_kind", FORM_KINDS, ids=[f"{form}-{kind}" for form, kind in FORM_KINDS])
 
 

@@ -216,8 +216,8 @@ inline void widen_rows(const uint16_t* x, int64_t ldx, int64_t first_pair, int64
   }
 }
 
-// Runs body(kp, xk) over the k-pairs of `b`'s pages, xk pointing at pair kp of row 0 of the widened
-// x (row m at + m * 2 * kWidenPairs); w[v] walks block v's current page.
+// Runs body(xk) for each k-pair kp of `b`'s pages in turn, xk pointing at pair kp of row 0 of the
+// widened x (row m at + m * 2 * kWidenPairs), w[v] at block v's pair kp once body advances it.
 template <int MR, int NB, typename Body>
 inline void for_each_widened_pair(const uint16_t* x, int64_t ldx, const BlockPages<uint16_t>& b, int64_t k_pairs,
                                   const uint16_t* (&w)[NB], Body body) {

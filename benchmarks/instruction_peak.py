@@ -56,5 +56,6 @@ def main(argv: list[str] | None = None) -> None:
     for kind, peak in peaks.items():
         print(f"{peak / 1e9:.0f} GFLOP/s {args.dtype} ({kind}, compiled CPU ops form {cpu_ops.active_form()}, one core)")
 
+
 if __name__ == "__main__":
     main()

@@ -42,7 +42,8 @@ def test_supported_forms_agree_with_the_kernels_view_of_the_cpu() -> None:
     if cpu_ops.active_form() != best:  # only where the probes find this CPU's vdpbf16ps slow
         assert (best, cpu_ops.active_form()) == ("avx512_bf16", "avx512")
         with cpu_ops.using_form("avx512_bf16") as ops:
-            dot, fma = ops.peak_flops("bf16_dot", 2_000_000, 1.0), ops.peak_flops("f32_fma", 2_000_000, 1.0)
+            dot = max(ops.peak_flops("bf16_dot", 2_000_000, 1.0 + attempt) for attempt in range(3))
+            fma = max(ops.peak_flops("f32_fma", 2_000_000, 1.0 + attempt) for attempt in range(3))
         assert not cpu_ops.prefers_bf16_dot(dot, fma)
 
 

@@ -77,12 +77,14 @@ def model_costs(model: LlamaModel) -> ModelCosts:
     )
 
 
-def floor_seconds(costs: ModelCosts, rates: MachineRates, prompt_lens: list[int], new_tokens: int) -> float:
+def floor_seconds(costs: ModelCosts, rates: MachineRates, prompt_lens: list[int], new_tokens: int,
+                  serial_bytes: float = 0.0) -> float:
     """All prompts prefilled (their last position gives each sequence its first token), then
-    `new_tokens - 1` decode steps of every sequence at once."""
+    `new_tokens - 1` decode steps of every sequence at once; each step also reads `serial_bytes`
+    after its arithmetic instead of under it."""
     def step_s(bytes_read: float, tokens: int, logit_rows: int) -> float:
         flops = 2 * (costs.layer_params * tokens + costs.head_params * logit_rows)
-        return max(bytes_read / rates.read_bytes_per_s, flops / rates.matmul_flops_per_s)
+        return max(bytes_read / rates.read_bytes_per_s, flops / rates.matmul_flops_per_s) + serial_bytes / rates.read_bytes_per_s
 
     num_seqs = len(prompt_lens)
     total = step_s(costs.weight_bytes, sum(prompt_lens), num_seqs)

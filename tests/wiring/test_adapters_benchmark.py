@@ -23,6 +23,7 @@ def test_adapters_benchmark_quick_sweep(tmp_path) -> None:
         assert row["ratio_to_base"] == pytest.approx(row["tokens_per_cpu_s"] / base)
         assert 1 <= row["distinct_adapters"] <= count and row["resident_adapters"] >= row["distinct_adapters"]
         assert 0 < row["floor_ratio"] < 1, "adapters only add bytes and FLOPs to the base model's floor"
+        assert 0 < row["serial_floor_ratio"] <= row["floor_ratio"], "reads after the arithmetic cannot beat reads under it"
     assert rows[("uniform", 1)]["floor_ratio"] > rows[("uniform", 4)]["floor_ratio"] or rows[("uniform", 4)]["distinct_adapters"] == 1
     assert set(report["cold_load"]) == {"local", "pbase", "hub", "s3"}
     assert all(math.isfinite(f["median_s"]) and f["median_s"] > 0 for f in report["cold_load"].values())

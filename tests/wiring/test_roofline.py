@@ -26,6 +26,21 @@ def test_floor_charges_the_lm_head_only_for_rows_that_need_logits() -> None:
     assert floor_seconds(costs, rates, [64, 16], new_tokens=2) == pytest.approx(162.0 + 6.0)
 
 
+def test_serial_bytes_are_read_after_each_steps_arithmetic() -> None:
+    costs = ModelCosts(layer_params=1_000, head_params=0, weight_bytes=2_000, kv_bytes_per_token=10)
+    rates = MachineRates(read_bytes_per_s=1_000.0, matmul_flops_per_s=100_000.0)
+    # The first test's steps (2 s, 2.82 s, 2.84 s), each then reading 500 bytes more: 0.5 s a step,
+    # where 500 more bytes read under the arithmetic would cost the same here (every step is bound by
+    # its reads) but nothing in a step bound by its FLOPs.
+    assert floor_seconds(costs, rates, [30, 50], new_tokens=3, serial_bytes=500) == pytest.approx(2.5 + 3.32 + 3.34)
+    flops_bound = MachineRates(read_bytes_per_s=1_000.0, matmul_flops_per_s=10_000.0)
+    # Prefill: 160000 FLOPs (16 s) against 2000 bytes; with 500 bytes more under them: still 16 s.
+    hidden = ModelCosts(layer_params=1_000, head_params=0, weight_bytes=2_500, kv_bytes_per_token=0)
+    assert floor_seconds(hidden, flops_bound, [30, 50], new_tokens=1) == pytest.approx(16.0)
+    after = ModelCosts(layer_params=1_000, head_params=0, weight_bytes=2_000, kv_bytes_per_token=0)
+    assert floor_seconds(after, flops_bound, [30, 50], new_tokens=1, serial_bytes=500) == pytest.approx(16.5)
+
+
 # Per dtype, an upper bound no core reaches: 64 FLOPs x 4 vdpbf16ps a cycle (bf16), 32 FLOPs x 4
 # FMAs a cycle (fp32), at 6 GHz; AMX tiles do 16x the bf16 instruction's work per cycle at most.
 _IMPOSSIBLE = {"float32": 768e9, "bfloat16": 1536e9}

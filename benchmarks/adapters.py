@@ -23,7 +23,8 @@ Prints tokens per CPU-second for each N and popularity and their ratio to the ba
 distinct adapters each run used, the adapters and pages resident after it, and the process's
 memory; the floor of each ratio on this machine (a step must read each of its distinct adapters'
 factors once, beside the base weights: `benchmarks.roofline` with the adapters' bytes and FLOPs
-added), with those reads under the arithmetic ("floor") and after it ("serial"); and the cold-load latency of one adapter from each source (`benchmarks.adapter_sources`).
+added), with those reads under the arithmetic ("floor") and after it ("serial"); and the cold-load
+latency of one adapter from each source (`benchmarks.adapter_sources`).
 Writes JSON and a PNG (throughput against N, log axis) to benchmarks/results/ (or `--results-dir`).
 """
 from __future__ import annotations

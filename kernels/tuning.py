@@ -31,6 +31,16 @@ CPU_KERNEL_CONSTANTS: dict[str, int] = {
     # cache: AVX-512 8x3 130-137, 6x3 120-131, 8x2 92-132; AVX2 6x1 58-63, 5x1 55 / 65, 4x1 56-57.
     "bf16_fma_tile_rows_avx512": 8,
     "bf16_fma_tile_blocks_avx512": 3,
+    # The AVX-512 form's widened bf16 matmul on batches of at least this many rows (its tile above
+    # for fewer, and for the LoRA op): 16 rows x 1 block, x widened and packed k-major once a call, so
+    # each multiplier is a broadcast operand of its `vfmadd` and a block's two widening operations
+    # serve 32 of them (8 x 3: 6 for 48). Xeon (family 6 model 207), GFLOP/s, weights cycled, against
+    # 8 x 3: 576 -> 3072 / 960 / 576 at 16-128 rows 146-157 against 133-143; 1536 -> 576 129-138
+    # against 136-145 (its 48 KB block of weights no longer stays in L1 over the row tiles, hence the
+    # bound on K below: a block of 16 columns x 1024 inputs is 32 KB); 12 x 2 between the two.
+    "bf16_fma_tall_tile_rows_avx512": 16,
+    "bf16_fma_tall_tile_blocks_avx512": 1,
+    "bf16_fma_tall_tile_max_k_avx512": 1024,
     "bf16_fma_tile_rows_avx2": 6,
     "bf16_fma_tile_blocks_avx2": 1,
     # The portable tiles (plain loops; the LoRA op's tiles in forms without the instructions).

@@ -68,7 +68,7 @@ void multiply_block(const uint16_t* a, int64_t lda_bytes, int64_t a_row_tile_off
 
 }  // namespace
 
-int64_t amx_linear_groups(int64_t n) { return n / kBlock; }
+int64_t amx_linear_groups(const LinearArgs& args) { return args.n / kBlock; }
 
 // Column blocks [begin, end) of 32 output columns. x must hold whole blocks of 32 rows (the
 // bindings pad it with zero rows); only `rows` rows of out are written. The process must have been

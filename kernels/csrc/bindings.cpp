@@ -329,7 +329,7 @@ void run_linear(Kernel kernel, Groups groups, const torch::Tensor& out, const to
   if (2 * rows * x.size(1) * out.size(1) < cpu_ops::tuning::kFetchMinFlopsPerByte * 64 * lines) runs.clear(), lines = 0;
   const cpu_ops::LinearArgs args{x.data_ptr(), packed.data_ptr(), out.data_ptr(), rows, x.size(1), out.size(1),
                                  runs.empty() ? nullptr : runs.data(), lines};
-  run_tasks(kernel, args, groups(out.size(1)), 1);
+  run_tasks(kernel, args, groups(args), 1);
 }
 
 void f32_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, std::vector<torch::Tensor> fetch_pools,

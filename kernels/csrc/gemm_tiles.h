@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "convert.h"
 #include "kernel_table.h"
@@ -39,18 +40,32 @@ constexpr int kF32TileRows = tuning::kF32LinearTileRowsAvx2, kF32TileBlocks = tu
 #else
 constexpr int kF32TileRows = tuning::kPortableTileRows, kF32TileBlocks = tuning::kPortableTileBlocks;
 #endif
+// bf16: the tile of the matmuls and the LoRA op, and the matmul's tile for batches of at least
+// kBf16TallTileRows rows over at most kBf16TallTileMaxK inputs (the same tile where the form has no
+// other).
 #if defined(__AVX512BF16__)
 constexpr int kBf16TileRows = tuning::kBf16LinearTileRows, kBf16TileBlocks = tuning::kBf16LinearTileBlocks;
+constexpr int kBf16TallTileRows = kBf16TileRows, kBf16TallTileBlocks = kBf16TileBlocks;
+constexpr int64_t kBf16TallTileMaxK = 0;
 #elif defined(__AVX512F__)
 constexpr int kBf16TileRows = tuning::kBf16FmaTileRowsAvx512, kBf16TileBlocks = tuning::kBf16FmaTileBlocksAvx512;
+constexpr int kBf16TallTileRows = tuning::kBf16FmaTallTileRowsAvx512;
+constexpr int kBf16TallTileBlocks = tuning::kBf16FmaTallTileBlocksAvx512;
+constexpr int64_t kBf16TallTileMaxK = tuning::kBf16FmaTallTileMaxKAvx512;
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int kBf16TileRows = tuning::kBf16FmaTileRowsAvx2, kBf16TileBlocks = tuning::kBf16FmaTileBlocksAvx2;
+constexpr int kBf16TallTileRows = kBf16TileRows, kBf16TallTileBlocks = kBf16TileBlocks;
+constexpr int64_t kBf16TallTileMaxK = 0;
 #else
 constexpr int kBf16TileRows = tuning::kPortableTileRows, kBf16TileBlocks = tuning::kPortableTileBlocks;
+constexpr int kBf16TallTileRows = kBf16TileRows, kBf16TallTileBlocks = kBf16TileBlocks;
+constexpr int64_t kBf16TallTileMaxK = 0;
 #endif
-static_assert(kF32TileRows >= 1 && kF32TileRows <= 8 && kF32TileBlocks >= 1 && kF32TileBlocks <= 3 &&
-                  kBf16TileRows >= 1 && kBf16TileRows <= 8 && kBf16TileBlocks >= 1 && kBf16TileBlocks <= 3,
-              "the tiles instantiate 1-8 rows and 1-3 blocks");
+static_assert(kF32TileRows >= 1 && kF32TileRows <= 16 && kF32TileBlocks >= 1 && kF32TileBlocks <= 3 &&
+                  kBf16TileRows >= 1 && kBf16TileRows <= 16 && kBf16TileBlocks >= 1 && kBf16TileBlocks <= 3 &&
+                  kBf16TallTileRows >= kBf16TileRows && kBf16TallTileRows <= 16 && kBf16TallTileBlocks >= 1 &&
+                  kBf16TallTileBlocks <= 3,
+              "the tiles instantiate 1-16 rows and 1-3 blocks");
 
 // The k-steps of a tile's NB blocks: `num_pages` runs of `page_steps` k-steps each (the last one may
 // be shorter), block v of page j starting at blocks[j * NB + v], its k-step i at + i * 16 elements
@@ -203,8 +218,10 @@ inline void bf16_tile(const uint16_t* x, int64_t ldx, const BlockPages<uint16_t>
 #elif defined(__AVX2__) && defined(__FMA__)
 // bf16 weights, float32 arithmetic, in the forms without `vdpbf16ps`: a bf16 is the top half of its
 // float32, so a vector of 16 column pairs widens exactly into the even k's 16 columns (a shift) and
-// the odd k's (a mask), each multiplied by `vfmadd`. x's rows are widened kWidenPairs pairs at a time
-// into a float buffer, so that each multiplier is one broadcast load.
+// the odd k's (a mask), each multiplied by `vfmadd`. Each multiplier is one broadcast load from x
+// widened to float, at a constant offset: x of float is the tile's rows widened and packed k-major by
+// the caller, once for every column group (x[k * MR + m]; ldx unused); x of bf16 bits is widened here,
+// kWidenPairs pairs at a time, into a buffer of rows.
 constexpr int64_t kWidenPairs = 32;
 
 template <int MR>
@@ -216,59 +233,68 @@ inline void widen_rows(const uint16_t* x, int64_t ldx, int64_t first_pair, int64
   }
 }
 
-// Runs body(xk) for each k-pair kp of `b`'s pages in turn, xk pointing at pair kp of row 0 of the
-// widened x (row m at + m * 2 * kWidenPairs), w[v] at block v's pair kp once body advances it.
-template <int MR, int NB, typename Body>
-inline void for_each_widened_pair(const uint16_t* x, int64_t ldx, const BlockPages<uint16_t>& b, int64_t k_pairs,
-                                  const uint16_t* (&w)[NB], Body body) {
-  alignas(64) float xf[MR * 2 * kWidenPairs];
+// Runs body(xk, row_stride, pair_stride) for each k-pair kp of `b`'s pages in turn, w[v] at block v's
+// pair kp once body advances it: row m's multipliers of pair kp are xk[m * row_stride] (even k) and
+// xk[m * row_stride + pair_stride] (odd k), the strides compile-time constants.
+template <int MR, int NB, typename X, typename Body>
+__attribute__((always_inline)) inline void for_each_widened_pair(const X* x, int64_t ldx, const BlockPages<uint16_t>& b,
+                                                                 int64_t k_pairs, const uint16_t* (&w)[NB], Body body) {
+  static_assert(std::is_same_v<X, float> || std::is_same_v<X, uint16_t>);
   for (int64_t page = 0, kp = 0; page < b.num_pages; ++page) {
     for (int v = 0; v < NB; ++v) w[v] = b.blocks[page * NB + v];
-    for (const int64_t page_end = std::min(k_pairs, kp + b.page_steps); kp < page_end;) {
-      const int64_t first = kp, chunk_end = std::min(page_end, kp + kWidenPairs);
-      widen_rows<MR>(x, ldx, first, chunk_end - first, xf);
-      for (; kp < chunk_end; ++kp) body(xf + 2 * (kp - first));
+    const int64_t page_end = std::min(k_pairs, kp + b.page_steps);
+    if constexpr (std::is_same_v<X, float>) {
+      for (; kp < page_end; ++kp) body(x + 2 * MR * kp, std::integral_constant<int64_t, 1>{}, std::integral_constant<int64_t, MR>{});
+    } else {
+      alignas(64) float xf[MR * 2 * kWidenPairs];
+      while (kp < page_end) {
+        const int64_t first = kp, chunk_end = std::min(page_end, kp + kWidenPairs);
+        widen_rows<MR>(x, ldx, first, chunk_end - first, xf);
+        for (; kp < chunk_end; ++kp)
+          body(xf + 2 * (kp - first), std::integral_constant<int64_t, 2 * kWidenPairs>{}, std::integral_constant<int64_t, 1>{});
+      }
     }
   }
 }
 
 #if defined(__AVX512F__)
-template <int MR, int NB>
-inline void bf16_tile(const uint16_t* x, int64_t ldx, const BlockPages<uint16_t>& b, int64_t k_pairs, Prefetcher fetch,
+template <int MR, int NB, typename X>
+inline void bf16_tile(const X* x, int64_t ldx, const BlockPages<uint16_t>& b, int64_t k_pairs, Prefetcher fetch,
                       float* c, int64_t ldc) {
   __m512 acc[MR][NB];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < NB; ++v) acc[m][v] = _mm512_setzero_ps();
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   const uint16_t* w[NB];
-  for_each_widened_pair<MR, NB>(x, ldx, b, k_pairs, w, [&](const float* xk) {
+  for_each_widened_pair<MR, NB>(x, ldx, b, k_pairs, w, [&](const float* xk, auto row_stride, auto pair_stride) __attribute__((always_inline)) {
     fetch.step();
-    __m512 even[NB], odd[NB];
-    for (int v = 0; v < NB; ++v) {
-      const __m512i pairs = _mm512_loadu_si512(w[v]);
-      even[v] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
-      odd[v] = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));
-      w[v] += 2 * kBlockColumns;
-    }
+    __m512 widened[NB];
+    for (int v = 0; v < NB; ++v) widened[v] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(w[v]), 16));
     for (int m = 0; m < MR; ++m) {
-      const __m512 a0 = _mm512_set1_ps(xk[m * 2 * kWidenPairs]), a1 = _mm512_set1_ps(xk[m * 2 * kWidenPairs + 1]);
-      for (int v = 0; v < NB; ++v) acc[m][v] = _mm512_fmadd_ps(a1, odd[v], _mm512_fmadd_ps(a0, even[v], acc[m][v]));
+      const __m512 a0 = _mm512_set1_ps(xk[m * row_stride]);
+      for (int v = 0; v < NB; ++v) acc[m][v] = _mm512_fmadd_ps(a0, widened[v], acc[m][v]);
     }
+    for (int v = 0; v < NB; ++v) widened[v] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(w[v]), high));
+    for (int m = 0; m < MR; ++m) {
+      const __m512 a1 = _mm512_set1_ps(xk[m * row_stride + pair_stride]);
+      for (int v = 0; v < NB; ++v) acc[m][v] = _mm512_fmadd_ps(a1, widened[v], acc[m][v]);
+    }
+    for (int v = 0; v < NB; ++v) w[v] += 2 * kBlockColumns;
   });
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < NB; ++v) _mm512_storeu_ps(c + m * ldc + 16 * v, acc[m][v]);
 }
 #else
 // AVX2: each block's 16 columns are two vectors of 8 (ymm), widened to four.
-template <int MR, int NB>
-inline void bf16_tile(const uint16_t* x, int64_t ldx, const BlockPages<uint16_t>& b, int64_t k_pairs, Prefetcher fetch,
+template <int MR, int NB, typename X>
+inline void bf16_tile(const X* x, int64_t ldx, const BlockPages<uint16_t>& b, int64_t k_pairs, Prefetcher fetch,
                       float* c, int64_t ldc) {
   __m256 acc[MR][2 * NB];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < 2 * NB; ++v) acc[m][v] = _mm256_setzero_ps();
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   const uint16_t* w[NB];
-  for_each_widened_pair<MR, NB>(x, ldx, b, k_pairs, w, [&](const float* xk) {
+  for_each_widened_pair<MR, NB>(x, ldx, b, k_pairs, w, [&](const float* xk, auto row_stride, auto pair_stride) __attribute__((always_inline)) {
     fetch.step();
     __m256 even[2 * NB], odd[2 * NB];
     for (int v = 0; v < 2 * NB; ++v) {
@@ -278,7 +304,7 @@ inline void bf16_tile(const uint16_t* x, int64_t ldx, const BlockPages<uint16_t>
     }
     for (int v = 0; v < NB; ++v) w[v] += 2 * kBlockColumns;
     for (int m = 0; m < MR; ++m) {
-      const __m256 a0 = _mm256_set1_ps(xk[m * 2 * kWidenPairs]), a1 = _mm256_set1_ps(xk[m * 2 * kWidenPairs + 1]);
+      const __m256 a0 = _mm256_set1_ps(xk[m * row_stride]), a1 = _mm256_set1_ps(xk[m * row_stride + pair_stride]);
       for (int v = 0; v < 2 * NB; ++v) acc[m][v] = _mm256_fmadd_ps(a1, odd[v], _mm256_fmadd_ps(a0, even[v], acc[m][v]));
     }
   });
@@ -311,19 +337,16 @@ inline void bf16_tile(const uint16_t* x, int64_t ldx, const BlockPages<uint16_t>
 }
 #endif
 
-// Calls `tile.template operator()<MR>()` with MR = rows (1..8): one instantiation per row count
-// keeps every accumulator of a partial tile in a register too.
-template <typename Tile>
+// Calls `tile.template operator()<MR>()` with MR = rows (1..kMaxRows, the caller's tile rows): one
+// instantiation per row count keeps every accumulator of a partial tile in a register too.
+template <int kMaxRows, typename Tile>
 inline void with_rows(int rows, Tile&& tile) {
-  switch (rows) {
-    case 8: tile.template operator()<8>(); break;
-    case 7: tile.template operator()<7>(); break;
-    case 6: tile.template operator()<6>(); break;
-    case 5: tile.template operator()<5>(); break;
-    case 4: tile.template operator()<4>(); break;
-    case 3: tile.template operator()<3>(); break;
-    case 2: tile.template operator()<2>(); break;
-    default: tile.template operator()<1>(); break;
+  if constexpr (kMaxRows <= 1) {
+    tile.template operator()<1>();
+  } else if (rows >= kMaxRows) {
+    tile.template operator()<kMaxRows>();
+  } else {
+    with_rows<kMaxRows - 1>(rows, tile);
   }
 }
 

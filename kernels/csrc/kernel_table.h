@@ -146,14 +146,14 @@ struct KernelTable {
   void (*paged_attention)(const AttentionArgs&, int64_t begin, int64_t end);
   void (*max_logsumexp)(const MaxLogSumExpArgs&, int64_t begin, int64_t end);
   void (*lora_segments)(const LoraArgs&, int64_t begin, int64_t end);
-  // Null where the form has no such matmul. Tasks: `*_groups(n)` column groups of each kernel.
+  // Null where the form has no such matmul. Tasks: `*_groups(args)` column groups of each kernel's call.
   void (*f32_linear)(const LinearArgs&, int64_t begin, int64_t end);
-  int64_t (*f32_linear_groups)(int64_t n);
+  int64_t (*f32_linear_groups)(const LinearArgs& args);
   void (*bf16_linear)(const LinearArgs&, int64_t begin, int64_t end);
-  int64_t (*bf16_linear_groups)(int64_t n);
+  int64_t (*bf16_linear_groups)(const LinearArgs& args);
   // The AMX kernel: each task range configures and releases its own tiles (tile state is per thread).
   void (*amx_linear)(const LinearArgs&, int64_t begin, int64_t end);
-  int64_t (*amx_linear_groups)(int64_t n);
+  int64_t (*amx_linear_groups)(const LinearArgs& args);
   // FLOP/s of `iterations` rounds of independent multiply-add chains of this form's widest
   // instruction (the roofline's instruction peak), or 0 where it has no such probe.
   double (*peak_flops)(const char* kind, int64_t iterations, double seed);

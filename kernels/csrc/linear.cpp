@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #include "convert.h"
 #include "gemm_tiles.h"
@@ -58,11 +59,33 @@ void for_each_tile(const LinearArgs& args, int64_t block_bytes, int64_t steps, i
   }
 }
 
-// The matmul over weights of W (float, or bf16 bits): x and out of W too, the float32 tile rounded once.
-template <typename W, int kRows, int kBlocks>
+// x as the tiles take it: as given, or (bf16 widened to float: the tall tile) packed once for every
+// column group, each row tile's rows k-major (gemm_tiles.h), the tile of rows [r, r + kRows) at
+// x + r * k. The buffer is this thread's and keeps the largest size asked for.
+template <typename X, int kRows, typename W>
+const X* tile_x(const W* x, int64_t rows, int64_t k) {
+  if constexpr (std::is_same_v<X, W>) {
+    return x;
+  } else {
+    static_assert(std::is_same_v<W, uint16_t> && std::is_same_v<X, float>);
+    thread_local std::vector<float> packed;
+    if (static_cast<int64_t>(packed.size()) < rows * k) packed.resize(rows * k);
+    for (int64_t first = 0; first < rows; first += kRows) {
+      const int64_t tile_rows = std::min<int64_t>(kRows, rows - first);
+      float* panel = packed.data() + first * k;
+      for (int64_t m = 0; m < tile_rows; ++m)
+        for (int64_t e = 0; e < k; ++e) panel[e * tile_rows + m] = bf16_bits_to_float(x[(first + m) * k + e]);
+    }
+    return packed.data();
+  }
+}
+
+// The matmul over weights of W (float, or bf16 bits): x and out of W too, the float32 tile rounded once;
+// the tiles take x as X (W, or float for the widened bf16 tiles' packed rows).
+template <typename W, int kRows, int kBlocks, typename X = W>
 void linear(const LinearArgs& args, int64_t begin, int64_t end) {
   constexpr bool kFloat = std::is_same_v<W, float>;
-  const W* x = static_cast<const W*>(args.x);
+  const X* x = tile_x<X, kRows>(static_cast<const W*>(args.x), args.rows, args.k);
   const W* packed = static_cast<const W*>(args.packed);
   W* out = static_cast<W*>(args.out);
   const int64_t k = args.k, block_elements = k * kBlockColumns, steps = kFloat ? k : k / 2;
@@ -74,7 +97,7 @@ void linear(const LinearArgs& args, int64_t begin, int64_t end) {
         for (int v = 0; v < blocks; ++v) block_starts[v] = b + v * block_elements;
         const BlockPages<W> weights{block_starts, 1, steps};
         with_blocks(blocks, [&]<int NB>() {
-          with_rows(rows, [&]<int MR>() {
+          with_rows<kRows>(rows, [&]<int MR>() {
             if constexpr (kFloat) {
               f32_tile<MR, NB>(x + first_row * k, k, weights, steps, fetch, c, kBlocks * kBlockColumns);
             } else {
@@ -96,13 +119,27 @@ void linear(const LinearArgs& args, int64_t begin, int64_t end) {
 
 }  // namespace
 
-int64_t f32_linear_groups(int64_t n) { return (n / kBlockColumns + kF32TileBlocks - 1) / kF32TileBlocks; }
+int64_t f32_linear_groups(const LinearArgs& args) { return (args.n / kBlockColumns + kF32TileBlocks - 1) / kF32TileBlocks; }
 
 void f32_linear(const LinearArgs& args, int64_t begin, int64_t end) { linear<float, kF32TileRows, kF32TileBlocks>(args, begin, end); }
 
-int64_t bf16_linear_groups(int64_t n) { return (n / kBlockColumns + kBf16TileBlocks - 1) / kBf16TileBlocks; }
+// The tall tile where the batch fills it and a block of its weights stays in L1 over the row tiles
+// (the two tiles split the columns into groups of their own).
+constexpr bool kHasTallTile = kBf16TallTileRows != kBf16TileRows || kBf16TallTileBlocks != kBf16TileBlocks;
+
+bool takes_tall_tile(const LinearArgs& args) {
+  return kHasTallTile && args.rows >= kBf16TallTileRows && args.k <= kBf16TallTileMaxK;
+}
+
+int64_t bf16_linear_groups(const LinearArgs& args) {
+  const int64_t blocks = takes_tall_tile(args) ? kBf16TallTileBlocks : kBf16TileBlocks;
+  return (args.n / kBlockColumns + blocks - 1) / blocks;
+}
 
 void bf16_linear(const LinearArgs& args, int64_t begin, int64_t end) {
+  if constexpr (kHasTallTile) {
+    if (takes_tall_tile(args)) return linear<uint16_t, kBf16TallTileRows, kBf16TallTileBlocks, float>(args, begin, end);
+  }
   linear<uint16_t, kBf16TileRows, kBf16TileBlocks>(args, begin, end);
 }
 

@@ -37,7 +37,8 @@ template <typename W>
 constexpr int kRows = std::is_same_v<W, float> ? kF32TileRows : kBf16TileRows;
 template <typename W>
 constexpr int kGroup = std::is_same_v<W, float> ? kF32TileBlocks : kBf16TileBlocks;
-constexpr int kMaxRows = 8, kMaxGroup = 3;  // the scratch covers any tile
+constexpr int kMaxRows = std::max(kF32TileRows, kBf16TileRows);  // the scratch covers any tile
+constexpr int kMaxGroup = std::max(kF32TileBlocks, kBf16TileBlocks);
 constexpr int64_t kChunkRows = tuning::kLoraChunkRows;
 #if defined(__AVX512F__)
 constexpr int64_t kFetchLeadLines = tuning::kLoraFetchLeadBytesAvx512 / 64;
@@ -54,7 +55,7 @@ template <typename W>
 void tile(int rows, int blocks, const W* x, int64_t ldx, const BlockPages<W>& b, int64_t k, float* c, int64_t ldc,
           const Prefetcher& fetch) {
   with_blocks(blocks, [&]<int NB>() {
-    with_rows(rows, [&]<int MR>() {
+    with_rows<kRows<W>>(rows, [&]<int MR>() {
       if constexpr (std::is_same_v<W, float>) {
         f32_tile<MR, NB>(x, ldx, b, k, fetch, c, ldc);
       } else {

@@ -24,11 +24,11 @@ void lora_segments(const LoraArgs& args, int64_t begin, int64_t end);
 
 // Present in the forms that have the instructions (null in the table elsewhere).
 void f32_linear(const LinearArgs& args, int64_t begin, int64_t end);
-int64_t f32_linear_groups(int64_t n);
+int64_t f32_linear_groups(const LinearArgs& args);
 void bf16_linear(const LinearArgs& args, int64_t begin, int64_t end);
-int64_t bf16_linear_groups(int64_t n);
+int64_t bf16_linear_groups(const LinearArgs& args);
 void amx_linear(const LinearArgs& args, int64_t begin, int64_t end);
-int64_t amx_linear_groups(int64_t n);
+int64_t amx_linear_groups(const LinearArgs& args);
 bool attention_has_vector_form();
 double peak_flops(const char* kind, int64_t iterations, double seed);
 

@@ -14,7 +14,7 @@ CPU_KERNEL_CONSTANTS: dict[str, int] = {
     # task to amortise the pool's dispatch, few enough that 64 decode rows still split over threads.
     "rows_per_task": 16,
     # Matmul register tiles (kernels/csrc/gemm_tiles.h), of the projections and of the LoRA op's shrink
-    # and expand: rows x blocks of 16 columns of float32 accumulators; the kernels instantiate 1-8
+    # and expand: rows x blocks of 16 columns of float32 accumulators; the kernels instantiate 1-16
     # rows and 1-3 blocks. A block is one zmm (AVX-512) or
     # two ymm (AVX2) per row. AVX512-BF16 and AVX-512 fp32: 8 x 3 = 24 of the 32 zmm registers;
     # measured on AMD Zen 5 (bf16), 6x64 and 4x96 spilled registers and ran much slower, 12x32

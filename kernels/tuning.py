@@ -43,6 +43,14 @@ CPU_KERNEL_CONSTANTS: dict[str, int] = {
     "bf16_fma_tall_tile_max_k_avx512": 1024,
     "bf16_fma_tile_rows_avx2": 6,
     "bf16_fma_tile_blocks_avx2": 1,
+    # The matmuls' row blocks (kernels/csrc/linear.cpp): every column group of a call runs over one
+    # block of rows, whose x (as the tiles read it) takes at most this many bytes, before the next
+    # block starts, so that x is read from L2 rather than L3 (a prefill's x outgrows L2). A quarter of
+    # Zen 5's L2, half of Zen 3's. Xeon (family 6 model 207, 2 MB L2), bf16 widened, 1280 rows, GFLOP/s
+    # against one block of all rows: 576 -> 3072 144-150 against 129, 576 -> 960 147 against 137,
+    # 1536 -> 576 138 against 132 (128 KiB and 512 KiB within noise of 256); in the engine (base
+    # workload, alternated with the build before, three rounds) prefill matmuls 129-135 -> 141-149.
+    "linear_row_block_bytes": 256 * 1024,
     # The portable tiles (plain loops; the LoRA op's tiles in forms without the instructions).
     "portable_tile_rows": 4,
     "portable_tile_blocks": 1,

@@ -28,33 +28,45 @@
 namespace cpu_ops {
 namespace {
 
-// The shared loop over column groups and row tiles; `tile(rows, blocks, first_row, first_block, fetch,
-// c)` computes one tile into the float buffer c [kRows, kGroup * 16] while `fetch` requests its share
-// of the next group's weights and of the runs the next op reads, `store(row, first_column, c_row,
-// width)` writes one row of it out. Shares are by group index, so each thread's range requests its
-// own part of the runs.
+// The shared loop over row blocks, column groups and row tiles; `tile(rows, blocks, first_row,
+// first_block, fetch, c)` computes one tile into the float buffer c [kRows, kGroup * 16] while `fetch`
+// requests its share of the next group's weights and of the runs the next op reads, `store(row,
+// first_column, c_row, width)` writes one row of it out. A row block's x (`x_row_bytes` a row, as the
+// tiles read it) stays in L2 while every group of the range runs over it: a prefill's x is larger than
+// L2, and each group would read all of it from L3 again. The runs are requested in the last row block
+// only, shared by group index, so each thread's range requests its own part of them.
 template <int kRows, int kGroup, typename Tile, typename Store>
-void for_each_tile(const LinearArgs& args, int64_t block_bytes, int64_t steps, int64_t begin, int64_t end, Tile tile,
-                   Store store) {
-  const int64_t blocks = args.n / kBlockColumns, row_tiles = (args.rows + kRows - 1) / kRows;
-  const int64_t groups = (blocks + kGroup - 1) / kGroup, side_total = args.fetch_lines;
-  RunCursor side = RunCursor::at(args.fetch_runs, side_total * begin / groups);
+void for_each_tile(const LinearArgs& args, int64_t block_bytes, int64_t steps, int64_t x_row_bytes, int64_t begin,
+                   int64_t end, Tile tile, Store store) {
+  const int64_t blocks = args.n / kBlockColumns, groups = (blocks + kGroup - 1) / kGroup, side_total = args.fetch_lines;
+  const int64_t max_block_tiles = std::max<int64_t>(1, tuning::kLinearRowBlockBytes / (x_row_bytes * kRows));
+  const int64_t row_tiles_total = (args.rows + kRows - 1) / kRows;
+  const int64_t num_row_blocks = (row_tiles_total + max_block_tiles - 1) / max_block_tiles;
+  const int64_t block_rows = (row_tiles_total + num_row_blocks - 1) / num_row_blocks * kRows;  // blocks of even size
   alignas(64) float c[kRows * kGroup * kBlockColumns];
   constexpr int64_t ldc = kGroup * kBlockColumns;
-  for (int64_t group = begin; group < end; ++group) {
-    const int64_t first_block = group * kGroup, group_blocks = std::min<int64_t>(kGroup, blocks - first_block);
-    const int64_t next_blocks = group + 1 < end ? std::min<int64_t>(kGroup, blocks - first_block - group_blocks) : 0;
-    const int64_t upcoming_lines = next_blocks * block_bytes / 64;
-    const char* upcoming = static_cast<const char*>(args.packed) + (first_block + group_blocks) * block_bytes;
-    const int64_t side_first = side_total * group / groups, side_lines = side_total * (group + 1) / groups - side_first;
-    for (int64_t rt = 0; rt < row_tiles; ++rt) {
-      const int tile_rows = static_cast<int>(std::min<int64_t>(kRows, args.rows - rt * kRows));
-      const int64_t first_line = rt * upcoming_lines / row_tiles, end_line = (rt + 1) * upcoming_lines / row_tiles;
-      const int64_t side_begin = rt * side_lines / row_tiles, side_end = (rt + 1) * side_lines / row_tiles;
-      const Prefetcher fetch{upcoming + 64 * first_line, end_line - first_line, steps, 0, side, side_end - side_begin};
-      side.advance(side_end - side_begin);
-      tile(tile_rows, static_cast<int>(group_blocks), rt * kRows, first_block, fetch, c);
-      for (int r = 0; r < tile_rows; ++r) store(rt * kRows + r, first_block * kBlockColumns, c + r * ldc, group_blocks * kBlockColumns);
+  for (int64_t first_row = 0; first_row < args.rows; first_row += block_rows) {
+    const int64_t rows = std::min(block_rows, args.rows - first_row), row_tiles = (rows + kRows - 1) / kRows;
+    const bool last_row_block = first_row + rows == args.rows;
+    RunCursor side = RunCursor::at(args.fetch_runs, last_row_block ? side_total * begin / groups : 0);
+    for (int64_t group = begin; group < end; ++group) {
+      const int64_t first_block = group * kGroup, group_blocks = std::min<int64_t>(kGroup, blocks - first_block);
+      const int64_t next_blocks = group + 1 < end ? std::min<int64_t>(kGroup, blocks - first_block - group_blocks) : 0;
+      const int64_t upcoming_lines = next_blocks * block_bytes / 64;
+      const char* upcoming = static_cast<const char*>(args.packed) + (first_block + group_blocks) * block_bytes;
+      const int64_t side_first = side_total * group / groups;
+      const int64_t side_lines = last_row_block ? side_total * (group + 1) / groups - side_first : 0;
+      for (int64_t rt = 0; rt < row_tiles; ++rt) {
+        const int tile_rows = static_cast<int>(std::min<int64_t>(kRows, rows - rt * kRows));
+        const int64_t first_line = rt * upcoming_lines / row_tiles, end_line = (rt + 1) * upcoming_lines / row_tiles;
+        const int64_t side_begin = rt * side_lines / row_tiles, side_end = (rt + 1) * side_lines / row_tiles;
+        const Prefetcher fetch{upcoming + 64 * first_line, end_line - first_line, steps, 0, side, side_end - side_begin};
+        side.advance(side_end - side_begin);
+        const int64_t tile_first_row = first_row + rt * kRows;
+        tile(tile_rows, static_cast<int>(group_blocks), tile_first_row, first_block, fetch, c);
+        for (int r = 0; r < tile_rows; ++r)
+          store(tile_first_row + r, first_block * kBlockColumns, c + r * ldc, group_blocks * kBlockColumns);
+      }
     }
   }
 }
@@ -90,7 +102,7 @@ void linear(const LinearArgs& args, int64_t begin, int64_t end) {
   W* out = static_cast<W*>(args.out);
   const int64_t k = args.k, block_elements = k * kBlockColumns, steps = kFloat ? k : k / 2;
   for_each_tile<kRows, kBlocks>(
-      args, block_elements * static_cast<int64_t>(sizeof(W)), steps, begin, end,
+      args, block_elements * static_cast<int64_t>(sizeof(W)), steps, k * static_cast<int64_t>(sizeof(X)), begin, end,
       [&](int rows, int blocks, int64_t first_row, int64_t first_block, const Prefetcher& fetch, float* c) {
         const W* b = packed + first_block * block_elements;
         const W* block_starts[kBlocks];

@@ -87,6 +87,30 @@ def test_compiled_linear_reads_a_row_tile_past_the_first(kind_in_form: str) -> N
 
 
 @kinds
+@pytest.mark.parametrize("threads", [1, 2])
+def test_compiled_linear_runs_row_blocks_in_turn(kind_in_form: str, threads: int) -> None:
+    """A batch whose x outgrows `linear_row_block_bytes` several times over (each column group runs over
+    one block of rows, then the next) computes every row as the rows alone do, to the bit (each
+    element's sum runs over K in the same order), and as the twin does; with reads requested (in the
+    last block only) and split over threads."""
+    dtype = KIND_DTYPES[kind_in_form]
+    in_features = 576
+    rows = 3 * tuning.CPU_KERNEL_CONSTANTS["linear_row_block_bytes"] // (in_features * 4) + 5
+    x, weight = _randn(rows, in_features, seed=11, dtype=dtype), _randn(960, in_features, seed=12, dtype=dtype)
+    packed = pack_linear_weight(weight, kind_in_form)
+    pool = torch.ones(64, 4096, dtype=torch.bfloat16)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        y = linear_packed(x, packed, Reads((pool,), (torch.arange(64),)))
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(y, torch.cat([linear_packed(x[first:first + 16], packed) for first in range(0, rows, 16)]))
+    expected = reference.linear(x, weight)
+    assert ((y.float() - expected.float()).abs() <= _tolerance(x, weight, expected)).all()
+
+
+@kinds
 def test_compiled_linear_splits_column_blocks_over_threads(kind_in_form: str) -> None:
     """Each thread takes a run of column blocks (and, on AMX, configures its own tiles)."""
     dtype = KIND_DTYPES[kind_in_form]

@@ -71,6 +71,30 @@ void for_each_tile(const LinearArgs& args, int64_t block_bytes, int64_t steps, i
   }
 }
 
+#if defined(__AVX512F__)
+// 16 rows x 16 k of bf16 bits (rows `ldx` apart) widened to float and transposed: out[e * 16 + m] =
+// x[m * ldx + e]. The two-element unpacks leave k 1 and 2 of each 4 swapped, undone by the stores.
+inline void widen_transpose_16x16(const uint16_t* x, int64_t ldx, float* out) {
+  __m512 r[16], t[16];
+  for (int m = 0; m < 16; ++m) {
+    const __m256i row = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + m * ldx));
+    r[m] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(row), 16));
+  }
+  for (int m = 0; m < 16; m += 2) t[m] = _mm512_unpacklo_ps(r[m], r[m + 1]), t[m + 1] = _mm512_unpackhi_ps(r[m], r[m + 1]);
+  for (int m = 0; m < 16; m += 4) {
+    for (int j = m; j < m + 2; ++j) {
+      r[j] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[j]), _mm512_castps_pd(t[j + 2])));
+      r[j + 2] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[j]), _mm512_castps_pd(t[j + 2])));
+    }
+  }
+  for (int m = 0; m < 16; m += 8) {
+    for (int j = m; j < m + 4; ++j) t[j] = _mm512_shuffle_f32x4(r[j], r[j + 4], 0x88), t[j + 4] = _mm512_shuffle_f32x4(r[j], r[j + 4], 0xdd);
+  }
+  for (int j = 0; j < 8; ++j) r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88), r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xdd);
+  for (int j = 0; j < 16; ++j) _mm512_storeu_ps(out + 16 * ((j & ~3) | (j & 1) << 1 | (j >> 1 & 1)), r[j]);
+}
+#endif
+
 // x as the tiles take it: as given, or (bf16 widened to float: the tall tile) packed once for every
 // column group, each row tile's rows k-major (gemm_tiles.h), the tile of rows [r, r + kRows) at
 // x + r * k. The buffer is this thread's and keeps the largest size asked for.
@@ -85,8 +109,15 @@ const X* tile_x(const W* x, int64_t rows, int64_t k) {
     for (int64_t first = 0; first < rows; first += kRows) {
       const int64_t tile_rows = std::min<int64_t>(kRows, rows - first);
       float* panel = packed.data() + first * k;
+      int64_t done = 0;  // k's packed
+#if defined(__AVX512F__)
+      if constexpr (kRows == 16) {
+        if (tile_rows == 16)
+          for (; done + 16 <= k; done += 16) widen_transpose_16x16(x + first * k + done, k, panel + done * 16);
+      }
+#endif
       for (int64_t m = 0; m < tile_rows; ++m)
-        for (int64_t e = 0; e < k; ++e) panel[e * tile_rows + m] = bf16_bits_to_float(x[(first + m) * k + e]);
+        for (int64_t e = done; e < k; ++e) panel[e * tile_rows + m] = bf16_bits_to_float(x[(first + m) * k + e]);
     }
     return packed.data();
   }

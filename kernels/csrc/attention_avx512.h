@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 
 #include "convert.h"
@@ -146,13 +147,18 @@ void attend_heads(const T* const* q, T* const* out, float scale, const T* k_base
   // The values' first block is fetched while the keys are read.
   prefetch_block(v_base + cache.table[0] * cache.block_stride, std::min(cache.block_size, num_keys),
                  cache.token_stride, head_bytes);
-  // Each key's products stay a vector until 16 keys have them, then 16 scores are summed at once.
-  __m512 products[H][16];
+  // Each key's products stay a vector until 16 keys have them, then 16 scores are summed at once,
+  // and their maximum is kept as a vector too (a scalar pass over the scores afterwards is a chain of
+  // dependent `vmaxss`: GCC does not vectorise a float max reduction without -ffast-math).
+  __m512 products[H][16], max_scores[H];
+  for (int h = 0; h < H; ++h) max_scores[h] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const auto sum_keys = [&](int64_t first, int count) {
+    const __mmask16 keys = static_cast<__mmask16>((1u << count) - 1);
     for (int h = 0; h < H; ++h) {
       for (int j = count; j < 16; ++j) products[h][j] = _mm512_setzero_ps();
-      _mm512_mask_storeu_ps(scores + h * num_keys + first, static_cast<__mmask16>((1u << count) - 1),
-                            _mm512_mul_ps(sum_lanes_of_16(products[h]), scale_v));
+      const __m512 sums = _mm512_mul_ps(sum_lanes_of_16(products[h]), scale_v);
+      _mm512_mask_storeu_ps(scores + h * num_keys + first, keys, sums);
+      max_scores[h] = _mm512_mask_max_ps(max_scores[h], keys, max_scores[h], sums);
     }
   };
   for_each_cached_row(k_base, cache.table, cache.block_size, cache.block_stride, cache.token_stride, head_bytes, num_keys,
@@ -164,9 +170,7 @@ void attend_heads(const T* const* q, T* const* out, float scale, const T* k_base
   float inv_total[H];
   for (int h = 0; h < H; ++h) {
     float* s = scores + h * num_keys;
-    float max_score = s[0];
-#pragma omp simd reduction(max : max_score)
-    for (int64_t j = 1; j < num_keys; ++j) max_score = std::max(max_score, s[j]);
+    const float max_score = _mm512_reduce_max_ps(max_scores[h]);
     float total = 0.f;
 #pragma omp simd reduction(+ : total)
     for (int64_t j = 0; j < num_keys; ++j) {

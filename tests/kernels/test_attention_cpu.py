@@ -64,6 +64,24 @@ def test_decode_with_prefills_among_them(cpu_backend, dtype, atol, num_heads, nu
     torch.testing.assert_close(got.double(), expected, atol=atol, rtol=atol)
 
 
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_softmax_of_scores_far_below_zero(cpu_backend, dtype, atol, head_dim) -> None:
+    """Every score near -300 (keys opposite the queries): the softmax must subtract the true maximum,
+    over exactly the keys there are (lengths that are and are not whole vectors of 16), or every
+    exp(score - max) underflows to 0 in float32."""
+    gen = torch.Generator().manual_seed(head_dim)
+    q, k_cache, v_cache, step = scattered_paged_batch([1] * 4, [5, 17, 32, 40], 9, 3, head_dim, 16, torch.float32, gen)
+    q = (2.0 + 0.1 * q).to(dtype)
+    k_cache = (-2.0 + 0.1 * k_cache).to(dtype)
+    v_cache = v_cache.to(dtype)
+    scale = 300.0 / (4 * head_dim)
+    expected = dense_oracle(q.double(), k_cache.double(), v_cache.double(), step, scale)
+    got = cpu_backend.paged_attention(q, k_cache, v_cache, cpu_backend.plan_attention(step), scale)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), expected, atol=atol, rtol=atol)
+
+
 def test_reference_matches_dense() -> None:
     gen = torch.Generator().manual_seed(3)
     q, k_cache, v_cache, step = scattered_paged_batch([1, 4, 1, 2, 1], [50, 4, 7, 12, 2], 6, 2, 8, 4, torch.float32, gen)

@@ -35,12 +35,15 @@ CPU_KERNEL_CONSTANTS: dict[str, int] = {
     # for fewer, and for the LoRA op): 16 rows x 1 block, x widened and packed k-major once a call, so
     # each multiplier is a broadcast operand of its `vfmadd` and a block's two widening operations
     # serve 32 of them (8 x 3: 6 for 48). Xeon (family 6 model 207), GFLOP/s, weights cycled, against
-    # 8 x 3: 576 -> 3072 / 960 / 576 at 16-128 rows 146-157 against 133-143; 1536 -> 576 129-138
-    # against 136-145 (its 48 KB block of weights no longer stays in L1 over the row tiles, hence the
-    # bound on K below: a block of 16 columns x 1024 inputs is 32 KB); 12 x 2 between the two.
+    # 8 x 3: 576 -> 3072 / 960 / 576 at 16-128 rows 146-157 against 133-143; 12 x 2 between the two.
+    # 1536 -> 576 (the down projection) ran slower on it (129-138 against 136-145) until the row
+    # blocks and the vector packing of x: now 155-167 against 136-157 at 16-1280 rows (three rounds,
+    # alternated), and in the engine's base workload the down projection's decode matmuls 139-144 ->
+    # 161-163 GFLOP/s. The bound on K is the largest measured (a block of 16 columns x 2048 inputs is
+    # 64 KB of weights, beyond L1); longer inputs keep the 8 x 3 tile, unmeasured with this one.
     "bf16_fma_tall_tile_rows_avx512": 16,
     "bf16_fma_tall_tile_blocks_avx512": 1,
-    "bf16_fma_tall_tile_max_k_avx512": 1024,
+    "bf16_fma_tall_tile_max_k_avx512": 2048,
     "bf16_fma_tile_rows_avx2": 6,
     "bf16_fma_tile_blocks_avx2": 1,
     # The matmuls' row blocks (kernels/csrc/linear.cpp): every column group of a call runs over one

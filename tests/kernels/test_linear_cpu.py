@@ -113,6 +113,15 @@ def test_compiled_linear_runs_row_blocks_in_turn(kind_in_form: str, threads: int
 
 
 @kinds
+def test_compiled_linear_of_no_rows(kind_in_form: str) -> None:
+    """A step may hand a projection no rows: an empty result, whatever the row blocking makes of it."""
+    dtype = KIND_DTYPES[kind_in_form]
+    packed = pack_linear_weight(_randn(64, 576, seed=13, dtype=dtype), kind_in_form)
+    y = linear_packed(torch.empty(0, 576, dtype=dtype), packed)
+    assert y.shape == (0, 64) and y.dtype == dtype
+
+
+@kinds
 def test_compiled_linear_splits_column_blocks_over_threads(kind_in_form: str) -> None:
     """Each thread takes a run of column blocks (and, on AMX, configures its own tiles)."""
     dtype = KIND_DTYPES[kind_in_form]

@@ -10,10 +10,10 @@
 // 450-465. In float32, MKL's sgemm (what F.linear calls) takes its AVX2 path on AMD CPUs and ran them
 // at 85-110 GFLOP/s, a third of the AVX-512 FMA peak (271); figures in kernels/tuning.py.
 //
-// Column groups (kGroupBlocks blocks of 16 output columns) are the outer loop, the tasks of the
-// thread pool: a group's weights are read from memory once and from cache by its other row tiles,
-// and the next group's weights are requested while this one computes, as is a share of the memory
-// the op after the matmul reads (`LinearArgs::fetch_runs`).
+// Column groups (a tile's blocks of 16 output columns) are the tasks of the thread pool: within a
+// block of rows whose x stays in L2, a group's weights are read once and from cache by its other row
+// tiles, and the next group's weights are requested while this one computes, as is a share of the
+// memory the op after the matmul reads (`LinearArgs::fetch_runs`). Decode batches are one row block.
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>

@@ -39,7 +39,7 @@ template <int kRows, int kGroup, typename Tile, typename Store>
 void for_each_tile(const LinearArgs& args, int64_t block_bytes, int64_t steps, int64_t x_row_bytes, int64_t begin,
                    int64_t end, Tile tile, Store store) {
   const int64_t blocks = args.n / kBlockColumns, groups = (blocks + kGroup - 1) / kGroup, side_total = args.fetch_lines;
-  const int64_t max_block_tiles = std::max<int64_t>(1, tuning::kLinearRowBlockBytes / (x_row_bytes * kRows));
+  const int64_t max_block_tiles = std::max<int64_t>(1, tuning::kLinearRowBlockBytes / std::max<int64_t>(1, x_row_bytes * kRows));
   const int64_t row_tiles_total = (args.rows + kRows - 1) / kRows;
   const int64_t num_row_blocks = std::max<int64_t>(1, (row_tiles_total + max_block_tiles - 1) / max_block_tiles);
   const int64_t block_rows = (row_tiles_total + num_row_blocks - 1) / num_row_blocks * kRows;  // blocks of even size

@@ -114,11 +114,15 @@ def test_compiled_linear_runs_row_blocks_in_turn(kind_in_form: str, threads: int
 
 @kinds
 def test_compiled_linear_of_no_rows(kind_in_form: str) -> None:
-    """A step may hand a projection no rows: an empty result, whatever the row blocking makes of it."""
+    """A step may hand a projection no rows: an empty result, whatever the row blocking makes of it;
+    and no inputs: zeros."""
     dtype = KIND_DTYPES[kind_in_form]
     packed = pack_linear_weight(_randn(64, 576, seed=13, dtype=dtype), kind_in_form)
     y = linear_packed(torch.empty(0, 576, dtype=dtype), packed)
     assert y.shape == (0, 64) and y.dtype == dtype
+    no_inputs = pack_linear_weight(torch.empty(64, 0, dtype=dtype), kind_in_form)
+    if no_inputs is not None:  # a weight of no inputs, where the kernel takes one: sums of nothing
+        assert torch.equal(linear_packed(torch.empty(3, 0, dtype=dtype), no_inputs), torch.zeros(3, 64, dtype=dtype))
 
 
 @kinds

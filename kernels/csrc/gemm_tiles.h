@@ -188,8 +188,41 @@ inline void f32_tile(const float* x, int64_t ldx, const BlockPages<float>& b, in
 }
 #endif
 
+// Rows of bf16 bits widened to float, kWidenPairs pairs at a time: the widened bf16 tiles' input
+// (below), and their callers'.
+constexpr int64_t kWidenPairs = 32;
+
+// Rows of x whose pairs [32 j, 32 j + 32) lie at data + j * rows * 2 * kWidenPairs, row after row,
+// 2 * kWidenPairs floats each (row m's pair kp at + m * 2 * kWidenPairs + 2 * (kp % kWidenPairs)).
+struct WidenedRows {
+  const float* data;
+};
+
+// Pairs [first_pair, first_pair + pairs) (at most kWidenPairs) of `rows` rows of bf16 bits into one
+// chunk of rows widened to float.
+inline void widen_rows(const uint16_t* x, int64_t ldx, int rows, int64_t first_pair, int64_t pairs, float* xf) {
+  for (int m = 0; m < rows; ++m) {
+    const uint16_t* row = x + m * ldx + 2 * first_pair;
+#pragma omp simd
+    for (int64_t e = 0; e < 2 * pairs; ++e) xf[m * 2 * kWidenPairs + e] = bf16_bits_to_float(row[e]);
+  }
+}
+
+// Floats `widen_row_tile` writes for `rows` rows of k_pairs pairs.
+inline int64_t widened_rows_size(int rows, int64_t k_pairs) {
+  return (k_pairs + kWidenPairs - 1) / kWidenPairs * rows * 2 * kWidenPairs;
+}
+
+// `rows` rows of bf16 bits (x [rows, 2 * k_pairs], rows `ldx` apart) as `WidenedRows` into out.
+inline WidenedRows widen_row_tile(const uint16_t* x, int64_t ldx, int rows, int64_t k_pairs, float* out) {
+  for (int64_t first = 0; first < k_pairs; first += kWidenPairs)
+    widen_rows(x, ldx, rows, first, std::min(kWidenPairs, k_pairs - first), out + first * rows * 2);
+  return WidenedRows{out};
+}
+
 #if defined(__AVX512BF16__)
 // x holds bf16 bits; k_pairs = K / 2, and the pages' steps are pairs too.
+constexpr bool kBf16TileWidens = false;
 template <int MR, int NB>
 inline void bf16_tile(const uint16_t* x, int64_t ldx, const BlockPages<uint16_t>& b, int64_t k_pairs, Prefetcher fetch,
                       float* c, int64_t ldc) {
@@ -218,40 +251,42 @@ inline void bf16_tile(const uint16_t* x, int64_t ldx, const BlockPages<uint16_t>
 #elif defined(__AVX2__) && defined(__FMA__)
 // bf16 weights, float32 arithmetic, in the forms without `vdpbf16ps`: a bf16 is the top half of its
 // float32, so a vector of 16 column pairs widens exactly into the even k's 16 columns (a shift) and
-// the odd k's (a mask), each multiplied by `vfmadd`. Each multiplier is one broadcast load from x
-// widened to float, at a constant offset: x of float is the tile's rows widened and packed k-major by
-// the caller, once for every column group (x[k * MR + m]; ldx unused); x of bf16 bits is widened here,
-// kWidenPairs pairs at a time, into a buffer of rows.
-constexpr int64_t kWidenPairs = 32;
-
-template <int MR>
-inline void widen_rows(const uint16_t* x, int64_t ldx, int64_t first_pair, int64_t pairs, float* xf) {
-  for (int m = 0; m < MR; ++m) {
-    const uint16_t* row = x + m * ldx + 2 * first_pair;
-#pragma omp simd
-    for (int64_t e = 0; e < 2 * pairs; ++e) xf[m * 2 * kWidenPairs + e] = bf16_bits_to_float(row[e]);
-  }
-}
+// the odd k's (a mask), each multiplied by `vfmadd`. Each multiplier is one broadcast load of x
+// widened to float, at a constant offset. The tiles take x (X) as one of:
+// - `const float*`: the tile's rows widened and packed k-major by the caller, once for every column
+//   group (x[k * MR + m]; ldx unused): the matmuls' tall tile;
+// - `WidenedRows`: the tile's rows widened by the caller, once for every column group, in chunks of
+//   kWidenPairs pairs (`widen_row_tile`; ldx unused): the LoRA op, whose every column group of the
+//   expand reads the same few rows;
+// - `const uint16_t*`: bf16 bits, widened here, kWidenPairs pairs at a time, into a buffer of rows.
+constexpr bool kBf16TileWidens = true;
 
 // Runs body(xk, row_stride, pair_stride) for each k-pair kp of `b`'s pages in turn, w[v] at block v's
 // pair kp once body advances it: row m's multipliers of pair kp are xk[m * row_stride] (even k) and
 // xk[m * row_stride + pair_stride] (odd k), the strides compile-time constants.
 template <int MR, int NB, typename X, typename Body>
-__attribute__((always_inline)) inline void for_each_widened_pair(const X* x, int64_t ldx, const BlockPages<uint16_t>& b,
+__attribute__((always_inline)) inline void for_each_widened_pair(X x, int64_t ldx, const BlockPages<uint16_t>& b,
                                                                  int64_t k_pairs, const uint16_t* (&w)[NB], Body body) {
-  static_assert(std::is_same_v<X, float> || std::is_same_v<X, uint16_t>);
+  static_assert(std::is_same_v<X, const float*> || std::is_same_v<X, WidenedRows> || std::is_same_v<X, const uint16_t*>);
+  constexpr std::integral_constant<int64_t, 2 * kWidenPairs> row_chunk{};
+  constexpr std::integral_constant<int64_t, 1> one{};
   for (int64_t page = 0, kp = 0; page < b.num_pages; ++page) {
     for (int v = 0; v < NB; ++v) w[v] = b.blocks[page * NB + v];
     const int64_t page_end = std::min(k_pairs, kp + b.page_steps);
-    if constexpr (std::is_same_v<X, float>) {
-      for (; kp < page_end; ++kp) body(x + 2 * MR * kp, std::integral_constant<int64_t, 1>{}, std::integral_constant<int64_t, MR>{});
+    if constexpr (std::is_same_v<X, const float*>) {
+      for (; kp < page_end; ++kp) body(x + 2 * MR * kp, one, std::integral_constant<int64_t, MR>{});
+    } else if constexpr (std::is_same_v<X, WidenedRows>) {
+      while (kp < page_end) {
+        const int64_t chunk = kp / kWidenPairs, chunk_end = std::min(page_end, (chunk + 1) * kWidenPairs);
+        const float* xk = x.data + chunk * MR * 2 * kWidenPairs + 2 * (kp - chunk * kWidenPairs);
+        for (; kp < chunk_end; ++kp, xk += 2) body(xk, row_chunk, one);
+      }
     } else {
       alignas(64) float xf[MR * 2 * kWidenPairs];
       while (kp < page_end) {
         const int64_t first = kp, chunk_end = std::min(page_end, kp + kWidenPairs);
-        widen_rows<MR>(x, ldx, first, chunk_end - first, xf);
-        for (; kp < chunk_end; ++kp)
-          body(xf + 2 * (kp - first), std::integral_constant<int64_t, 2 * kWidenPairs>{}, std::integral_constant<int64_t, 1>{});
+        widen_rows(x, ldx, MR, first, chunk_end - first, xf);
+        for (; kp < chunk_end; ++kp) body(xf + 2 * (kp - first), row_chunk, one);
       }
     }
   }
@@ -259,7 +294,7 @@ __attribute__((always_inline)) inline void for_each_widened_pair(const X* x, int
 
 #if defined(__AVX512F__)
 template <int MR, int NB, typename X>
-inline void bf16_tile(const X* x, int64_t ldx, const BlockPages<uint16_t>& b, int64_t k_pairs, Prefetcher fetch,
+inline void bf16_tile(X x, int64_t ldx, const BlockPages<uint16_t>& b, int64_t k_pairs, Prefetcher fetch,
                       float* c, int64_t ldc) {
   __m512 acc[MR][NB];
   for (int m = 0; m < MR; ++m)
@@ -287,7 +322,7 @@ inline void bf16_tile(const X* x, int64_t ldx, const BlockPages<uint16_t>& b, in
 #else
 // AVX2: each block's 16 columns are two vectors of 8 (ymm), widened to four.
 template <int MR, int NB, typename X>
-inline void bf16_tile(const X* x, int64_t ldx, const BlockPages<uint16_t>& b, int64_t k_pairs, Prefetcher fetch,
+inline void bf16_tile(X x, int64_t ldx, const BlockPages<uint16_t>& b, int64_t k_pairs, Prefetcher fetch,
                       float* c, int64_t ldc) {
   __m256 acc[MR][2 * NB];
   for (int m = 0; m < MR; ++m)
@@ -313,6 +348,7 @@ inline void bf16_tile(const X* x, int64_t ldx, const BlockPages<uint16_t>& b, in
 }
 #endif
 #else
+constexpr bool kBf16TileWidens = false;
 template <int MR, int NB>
 inline void bf16_tile(const uint16_t* x, int64_t ldx, const BlockPages<uint16_t>& b, int64_t k_pairs, Prefetcher fetch,
                       float* c, int64_t ldc) {

@@ -194,6 +194,7 @@ constexpr int64_t kWidenPairs = 32;
 
 // Rows of x whose pairs [32 j, 32 j + 32) lie at data + j * rows * 2 * kWidenPairs, row after row,
 // 2 * kWidenPairs floats each (row m's pair kp at + m * 2 * kWidenPairs + 2 * (kp % kWidenPairs)).
+// A tile reads them as MR = rows: the tile that takes them has exactly the rows that were widened.
 struct WidenedRows {
   const float* data;
 };

@@ -14,54 +14,50 @@
 namespace cpu_ops {
 namespace {
 
-// row <- weight * T(row * rsqrt(mean(row^2) + eps)), in floats; `weight` already converted.
-template <typename T>
-void normalise_row(float* row, const float* weight, int64_t hidden, float eps) {
-  float sum_squares = 0.f;
-#pragma omp simd reduction(+ : sum_squares)
-  for (int64_t i = 0; i < hidden; ++i) sum_squares += row[i] * row[i];
-  const float inv_rms = 1.f / std::sqrt(sum_squares / static_cast<float>(hidden) + eps);
-#pragma omp simd
-  for (int64_t i = 0; i < hidden; ++i) row[i] = round_to<T>(row[i] * inv_rms) * weight[i];
-}
-
+// out <- weight * T(h * rsqrt(mean(h^2) + eps)) per row, with h = x, or with a residual: residual <-
+// T(residual + x) and h that sum. h is formed once in floats, read straight from the 16-bit inputs
+// (no widened copies of them), and its sum of squares and normalisation read it back from L1.
 template <typename T>
 void norm_rows(const NormArgs& a, int64_t begin, int64_t end) {
   const int64_t hidden = a.hidden;
-  std::vector<float> weight(hidden), row(hidden), other(hidden);
+  std::vector<float> weight(hidden), h_buffer(hidden);
   to_float(static_cast<const T*>(a.weight), weight.data(), hidden);
-  const T* x = static_cast<const T*>(a.x);
-  T* residual = static_cast<T*>(a.residual);
-  T* out = static_cast<T*>(a.out);
+  float* h = h_buffer.data();
   for (int64_t r = begin; r < end; ++r) {
-    to_float(x + r * hidden, row.data(), hidden);
-    if (residual) {  // residual <- T(residual + x); the norm reads the sum
-      T* res = residual + r * hidden;
-      to_float(res, other.data(), hidden);
+    const T* x = static_cast<const T*>(a.x) + r * hidden;
+    if (a.residual) {
+      T* res = static_cast<T*>(a.residual) + r * hidden;
 #pragma omp simd
-      for (int64_t i = 0; i < hidden; ++i) row[i] = round_to<T>(row[i] + other[i]);
-      from_float(row.data(), res, hidden);
+      for (int64_t i = 0; i < hidden; ++i) h[i] = round_to<T>(to_float_one(x[i]) + to_float_one(res[i]));
+      from_float(h, res, hidden);
+    } else {
+      to_float(x, h, hidden);
     }
-    normalise_row<T>(row.data(), weight.data(), hidden, a.eps);
-    from_float(row.data(), out + r * hidden, hidden);
+    float sum_squares = 0.f;
+#pragma omp simd reduction(+ : sum_squares)
+    for (int64_t i = 0; i < hidden; ++i) sum_squares += h[i] * h[i];
+    const float inv_rms = 1.f / std::sqrt(sum_squares / static_cast<float>(hidden) + a.eps);
+    T* out = static_cast<T*>(a.out) + r * hidden;
+#pragma omp simd
+    for (int64_t i = 0; i < hidden; ++i) out[i] = from_float_one<T>(round_to<T>(h[i] * inv_rms) * weight[i]);
   }
 }
 
 template <typename T>
 void silu_rows(const SiluArgs& a, int64_t begin, int64_t end) {
   const int64_t width = a.width;
-  const T* in = static_cast<const T*>(a.gate_up);
-  T* out = static_cast<T*>(a.out);
-  std::vector<float> gate(width), up(width), decay(width);
+  std::vector<float> decay_buffer(width);
+  float* decay = decay_buffer.data();
   for (int64_t r = begin; r < end; ++r) {
-    to_float(in + r * 2 * width, gate.data(), width);
-    to_float(in + r * 2 * width + width, up.data(), width);
+    const T* gate = static_cast<const T*>(a.gate_up) + r * 2 * width;
+    const T* up = gate + width;
+    T* out = static_cast<T*>(a.out) + r * width;
     // Two loops: in one, compilers split the division by the outcomes of the exponential's clamps.
 #pragma omp simd
-    for (int64_t i = 0; i < width; ++i) decay[i] = vector_exp(-gate[i]);
+    for (int64_t i = 0; i < width; ++i) decay[i] = vector_exp(-to_float_one(gate[i]));
 #pragma omp simd
-    for (int64_t i = 0; i < width; ++i) gate[i] = round_to<T>(gate[i] / (1.f + decay[i])) * up[i];
-    from_float(gate.data(), out + r * width, width);
+    for (int64_t i = 0; i < width; ++i)
+      out[i] = from_float_one<T>(round_to<T>(to_float_one(gate[i]) / (1.f + decay[i])) * to_float_one(up[i]));
   }
 }
 

@@ -65,8 +65,9 @@ def test_add_lora_matches_reference(cpu_backend, dtype, pattern, num_tokens) -> 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_ranks_on_and_off_the_pages_edges(cpu_backend, rank, dtype) -> None:
     """A rank fills its last page partly or wholly (an odd one leaves a bf16 pair half padding); past
-    64 ranks, the widened tiles read their rows in more than one chunk (gemm_tiles.h); model-sized slices (576 + 192 + 192 wide, 576 in) span several tiles of columns; a long segment
-    spans two whole chunks of rows and part of a third, its last row tile partial."""
+    64 ranks, the widened tiles read their rows in more than one chunk (gemm_tiles.h); model-sized
+    slices (576 + 192 + 192 wide, 576 in) span several tiles of columns; a long segment spans two
+    whole chunks of rows and part of a third, its last row tile partial."""
     gen = torch.Generator().manual_seed(rank)
     widths, hidden = [576, 192, 192], 576
     layout = layout_of(cpu_backend, dtype, hidden, widths)

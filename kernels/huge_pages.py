@@ -8,37 +8,41 @@ interleaved, four rounds): the weights and the KV cache on huge pages made the b
 faster in every round (987 -> 1011 tokens per CPU-second, medians).
 
 `madvise(MADV_HUGEPAGE)` asks for them where the system's policy is `madvise` (the common
-default; `always` gives them anyway, `never` refuses them): the tensor is allocated 2 MiB-aligned
-and advised before anything touches it, so its first writes fault in whole huge pages where the
-kernel has them. The first such fault in a fragmented system can stall while the kernel compacts
+default; `always` gives them anyway, `never` refuses them): the tensor is a fresh mapping of its
+own, 2 MiB-aligned and advised before anything touches it, so its first writes fault in whole huge
+pages where the kernel has them. The first such fault in a fragmented system can stall while the kernel compacts
 memory (up to a second for a GiB, measured), which is why only tensors written once, at start,
 live here: the adapter pools, written as adapters arrive, do not. Elsewhere (other devices and
-systems, small tensors, a refused call) it is plain `torch.empty`: the hint changes speed, never
-contents.
+systems, small tensors) it is plain `torch.empty`, and a refused advice leaves plain pages: the
+hint changes speed, never contents.
 """
 from __future__ import annotations
 
-import ctypes
-import functools
 import math
+import mmap
 import sys
 
 import torch
 
 HUGE_PAGE_BYTES = 2 << 20
-_MADV_HUGEPAGE = 14  # linux/mman.h
 
 
 def empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
-    """torch.empty(shape, dtype, device), uninitialised and contiguous; on a Linux CPU, advised for
-    transparent huge pages before its first touch."""
+    """torch.empty(shape, dtype, device), uninitialised and contiguous; on a Linux CPU, a mapping of
+    its own, advised for transparent huge pages before its first touch."""
     nbytes = math.prod(shape) * dtype.itemsize
     if torch.device(device).type != "cpu" or not sys.platform.startswith("linux") or nbytes < HUGE_PAGE_BYTES:
         return torch.empty(shape, dtype=dtype, device=device)
+    # Not torch.empty: the allocator may hand back memory an earlier tensor already faulted in with
+    # 4 KB pages, which the advice no longer changes (measured: half of the packed weights).
     advised = -(-nbytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-    raw = torch.empty(advised + HUGE_PAGE_BYTES, dtype=torch.uint8)
+    mapping = mmap.mmap(-1, advised + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive as long as any view
     offset = -raw.data_ptr() % HUGE_PAGE_BYTES
-    _advise_huge_pages(raw.data_ptr() + offset, advised)
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE, offset, advised)
+    except OSError:  # a kernel without transparent huge pages: plain pages, the same contents
+        pass
     return raw[offset : offset + nbytes].view(dtype).view(shape)
 
 
@@ -46,16 +50,3 @@ def copy_to_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of `tensor` on memory from `empty_on_huge_pages`."""
     out = empty_on_huge_pages(tuple(tensor.shape), tensor.dtype, tensor.device)
     return out.copy_(tensor)
-
-
-def _advise_huge_pages(address: int, length: int) -> bool:
-    """madvise(MADV_HUGEPAGE) on [address, address + length); False where the system refuses."""
-    return _libc().madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), _MADV_HUGEPAGE) == 0
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    libc.madvise.restype = ctypes.c_int
-    return libc

@@ -21,17 +21,26 @@ LINUX_THP = sys.platform.startswith("linux") and Path("/sys/kernel/mm/transparen
 needs_thp = pytest.mark.skipif(not LINUX_THP, reason="transparent huge pages are a Linux feature, absent here")
 
 
-def vm_flags(address: int) -> list[str]:
-    """The VmFlags of the mapping of this process that holds `address`."""
-    inside = False
+def mapping_fields(address: int) -> dict[str, list[str]]:
+    """The /proc/self/smaps fields (Rss, VmFlags, ...) of the mapping of this process that holds `address`."""
+    fields: dict[str, list[str]] | None = None
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
+            if fields is not None:
+                return fields
             start, end = (int(bound, 16) for bound in head.split("-"))
-            inside = start <= address < end
-        elif inside and head == "VmFlags:":
-            return line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")
+            fields = {} if start <= address < end else None
+        elif fields is not None:
+            fields[head.rstrip(":")] = line.split()[1:]
+    if fields is None:
+        raise AssertionError(f"no mapping holds {address:#x}")
+    return fields
+
+
+def vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds `address`."""
+    return mapping_fields(address)["VmFlags"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -59,6 +68,20 @@ def test_a_large_tensor_is_aligned_and_advised_for_huge_pages():
     assert "hg" in vm_flags(tensor.data_ptr()) and "hg" in vm_flags(tensor[-1, -1, -1].data_ptr())
     plain = mmap.mmap(-1, 4 << 20)  # a fresh mapping nobody advised: the flag tells them apart
     assert "hg" not in vm_flags(ctypes.addressof(ctypes.c_char.from_buffer(plain)))
+
+
+@needs_thp
+def test_the_memory_was_never_touched_before_the_advice():
+    """A huge page is granted at the first touch of an advised region; memory the allocator hands back
+    after another tensor used it is already faulted in with 4 KB pages, which the advice no longer
+    changes. So the tensor has a mapping of its own, with nothing resident until it is written."""
+    for _ in range(3):  # freed tensors of the same size, which an allocator would reuse
+        used = torch.ones(3 << 20, dtype=torch.uint8)
+        del used
+    tensor = empty_on_huge_pages((3 << 20,), torch.uint8, "cpu")
+    assert mapping_fields(tensor.data_ptr())["Rss"] == ["0", "kB"]
+    tensor.fill_(7)
+    assert int(mapping_fields(tensor.data_ptr())["Rss"][0]) >= 3 << 10 and bool((tensor == 7).all())
 
 
 @needs_thp

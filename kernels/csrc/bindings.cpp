@@ -366,6 +366,13 @@ double peak_flops(const std::string& kind, int64_t iterations, double seed) {
   return table().peak_flops(kind.c_str(), iterations, seed);
 }
 
+double peak_read(const torch::Tensor& buffer, int64_t streams) {
+  TORCH_CHECK(buffer.device().is_cpu() && buffer.is_contiguous(), "peak_read reads a contiguous CPU tensor");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(buffer.data_ptr()) % 64 == 0, "peak_read reads whole lines: align the buffer to 64 bytes");
+  TORCH_CHECK(streams == 1 || streams == 2 || streams == 4 || streams == 8, "peak_read reads 1, 2, 4 or 8 streams");
+  return table().peak_read(buffer.data_ptr(), static_cast<int64_t>(buffer.nbytes()), streams);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -391,4 +398,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_linear", &amx_linear, py::arg("out"), py::arg("x"), py::arg("packed"),
         py::arg("fetch_pools") = std::vector<torch::Tensor>{}, py::arg("fetch_pages") = std::vector<torch::Tensor>{});
   m.def("peak_flops", &peak_flops);
+  m.def("peak_read", &peak_read);
 }

@@ -14,7 +14,7 @@ namespace cpu_ops {
 
 // Bumped whenever a struct below or the table changes: a form library built from other sources is
 // refused by the bindings instead of being called with the wrong layout.
-constexpr int32_t kAbiVersion = 7;
+constexpr int32_t kAbiVersion = 8;
 
 enum class DType : int32_t { f32 = 0, bf16 = 1, f16 = 2 };
 
@@ -157,6 +157,10 @@ struct KernelTable {
   // FLOP/s of `iterations` rounds of independent multiply-add chains of this form's widest
   // instruction (the roofline's instruction peak), or 0 where it has no such probe.
   double (*peak_flops)(const char* kind, int64_t iterations, double seed);
+  // Bytes per second of one pass reading `bytes` of `data` (64-byte aligned) as `streams` (1, 2, 4
+  // or 8) interleaved sequential streams, with this form's widest loads (the roofline's bandwidth);
+  // 0 for another number of streams.
+  double (*peak_read)(const void* data, int64_t bytes, int64_t streams);
 };
 
 }  // namespace cpu_ops

@@ -31,5 +31,6 @@ void amx_linear(const LinearArgs& args, int64_t begin, int64_t end);
 int64_t amx_linear_groups(const LinearArgs& args);
 bool attention_has_vector_form();
 double peak_flops(const char* kind, int64_t iterations, double seed);
+double peak_read(const void* data, int64_t bytes, int64_t streams);
 
 }  // namespace cpu_ops

@@ -5,6 +5,8 @@
 //   f32_fma:  vfmadd on 256-bit (AVX2) or 512-bit (AVX-512) float32 vectors, 2 FLOPs per lane;
 //   bf16_dot: vdpbf16ps (AVX512-BF16), 64 FLOPs per instruction;
 //   amx_bf16: tdpbf16ps on 16x16 tiles (AMX), 16 * 16 * 32 * 2 FLOPs per instruction.
+// And one core's read rate (`peak_read`, the roofline's bandwidth): a buffer read as interleaved
+// sequential streams with the form's widest loads, each line folded into its stream's accumulator.
 #include <chrono>
 #include <cstring>
 
@@ -122,7 +124,66 @@ double amx_bf16(int64_t iterations, double seed) {
 double amx_bf16(int64_t, double) { return 0.0; }
 #endif
 
+// One 64-byte line folded into an accumulator with the form's widest loads (xor: one cheap operation
+// a load, and the loads cannot be dropped since the result is used).
+#if defined(__AVX512F__)
+using Line = __m512i;
+inline Line zero_line() { return _mm512_setzero_si512(); }
+inline Line fold_line(Line acc, const char* line) { return _mm512_xor_si512(acc, _mm512_load_si512(line)); }
+inline uint64_t line_bits(Line acc) { return static_cast<uint64_t>(_mm512_reduce_or_epi64(acc)); }
+#elif defined(__AVX2__)
+using Line = __m256i;
+inline Line zero_line() { return _mm256_setzero_si256(); }
+inline Line fold_line(Line acc, const char* line) {
+  const __m256i both = _mm256_xor_si256(_mm256_load_si256(reinterpret_cast<const __m256i*>(line)),
+                                        _mm256_load_si256(reinterpret_cast<const __m256i*>(line + 32)));
+  return _mm256_xor_si256(acc, both);
+}
+inline uint64_t line_bits(Line acc) { return static_cast<uint64_t>(_mm256_extract_epi64(acc, 0) | _mm256_extract_epi64(acc, 3)); }
+#else
+using Line = uint64_t;
+inline Line zero_line() { return 0; }
+inline Line fold_line(Line acc, const char* line) {
+  uint64_t words[8];
+  std::memcpy(words, line, sizeof(words));
+  for (const uint64_t word : words) acc ^= word;
+  return acc;
+}
+inline uint64_t line_bits(Line acc) { return acc; }
+#endif
+
+// Seconds to read `bytes` (whole lines, 64-byte aligned) as `Streams` contiguous shares read side by
+// side, a line of each in turn.
+template <int Streams>
+double read_seconds(const char* data, int64_t bytes) {
+  const int64_t share = bytes / Streams / 64 * 64;
+  Line acc[Streams];
+  for (Line& a : acc) a = zero_line();
+  const auto start = Clock::now();
+  for (int64_t offset = 0; offset < share; offset += 64) {
+#pragma GCC unroll 8
+    for (int s = 0; s < Streams; ++s) acc[s] = fold_line(acc[s], data + s * share + offset);
+  }
+  const double seconds = seconds_since(start);
+  uint64_t bits = 0;
+  for (const Line& a : acc) bits |= line_bits(a);
+  volatile uint64_t sink = bits;  // the loads' results are used
+  (void)sink;
+  return seconds * bytes / (share * Streams);  // as if the lines a share's rounding left out were read too
+}
+
 }  // namespace
+
+double peak_read(const void* data, int64_t bytes, int64_t streams) {
+  const char* lines = static_cast<const char*>(data);
+  switch (streams) {
+    case 1: return bytes / read_seconds<1>(lines, bytes);
+    case 2: return bytes / read_seconds<2>(lines, bytes);
+    case 4: return bytes / read_seconds<4>(lines, bytes);
+    case 8: return bytes / read_seconds<8>(lines, bytes);
+    default: return 0.0;
+  }
+}
 
 double peak_flops(const char* kind, int64_t iterations, double seed) {
   if (std::strcmp(kind, "f32_fma") == 0) return fma_f32(iterations, seed);

@@ -35,6 +35,7 @@ cpu_ops::KernelTable make_table() {
   table.amx_linear_groups = &cpu_ops::amx_linear_groups;
 #endif
   table.peak_flops = &cpu_ops::peak_flops;
+  table.peak_read = &cpu_ops::peak_read;
   return table;
 }
 

@@ -368,8 +368,10 @@ double peak_flops(const std::string& kind, int64_t iterations, double seed) {
 
 double peak_read(const torch::Tensor& buffer, int64_t streams) {
   TORCH_CHECK(buffer.device().is_cpu() && buffer.is_contiguous(), "peak_read reads a contiguous CPU tensor");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(buffer.data_ptr()) % 64 == 0, "peak_read reads whole lines: align the buffer to 64 bytes");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(buffer.data_ptr()) % 64 == 0,
+              "peak_read reads whole lines: align the buffer to 64 bytes");
   TORCH_CHECK(streams == 1 || streams == 2 || streams == 4 || streams == 8, "peak_read reads 1, 2, 4 or 8 streams");
+  TORCH_CHECK(buffer.nbytes() >= static_cast<size_t>(64 * streams), "peak_read reads at least a line a stream");
   return table().peak_read(buffer.data_ptr(), static_cast<int64_t>(buffer.nbytes()), streams);
 }
 

@@ -47,3 +47,5 @@ def test_the_probe_refuses_what_it_cannot_read_whole(compiled_form) -> None:
         ops.peak_read(buffer[1:], 1)
     with pytest.raises(RuntimeError, match="contiguous CPU tensor"):
         ops.peak_read(buffer.view(256, 256).t(), 1)
+    with pytest.raises(RuntimeError, match="at least a line a stream"):
+        ops.peak_read(buffer[:64], 8)

@@ -6,6 +6,7 @@ string, or `all-linear`), `rank_pattern` / `alpha_pattern`, `layers_to_transform
 naming the field, because applying only part of such an adapter would silently give wrong outputs."""
 from __future__ import annotations
 
+import math
 import re
 from numbers import Real
 from typing import Any
@@ -109,7 +110,7 @@ def _check_layer_transformed(layers: int | list[int] | None, module_path: str) -
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, Real) and not isinstance(value, bool) and value == value
+    return isinstance(value, Real) and not isinstance(value, bool) and not (isinstance(value, float) and math.isnan(value))
 
 
 def _is_positive_int(value: Any) -> bool:

@@ -5,7 +5,6 @@ import asyncio
 import json
 import re
 
-import httpx
 import jsonschema
 import lorax
 import lorax.errors

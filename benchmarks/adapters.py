@@ -156,6 +156,8 @@ def ratio_floor(engine: Engine, prompt_lens: list[int], new_tokens: int,
     peak = instruction_peak(str(model.dtype).removeprefix("torch."))
     if peak is not None and peak > rates.matmul_flops_per_s:
         rates = dataclasses.replace(rates, matmul_flops_per_s=peak)
+    logger.info("the floors: reads at %.1f GB/s, matmuls at %.0f GFLOP/s", rates.read_bytes_per_s / 1e9,
+                rates.matmul_flops_per_s / 1e9)
     costs = model_costs(model)
     base_s = floor_seconds(costs, rates, prompt_lens, new_tokens)
     pages_dtype = engine.adapters.page_tensors.layout.dtype
@@ -261,15 +263,17 @@ def plot(report: dict, path: Path) -> None:
         counts = [r["num_adapters"] for r in rows]
         ax.plot(counts, [r["tokens_per_cpu_s"] for r in rows], marker="o", color=color, label=popularity)
         ax.plot(counts, [base * r["floor_ratio"] for r in rows], linestyle=":", color=color,
-                label=f"{popularity}: floor ratio x base")
+                label=f"{popularity}: floor, pages read under the arithmetic")
+        ax.plot(counts, [base * r["serial_floor_ratio"] for r in rows], linestyle="-.", color=color,
+                label=f"{popularity}: floor, pages read after it")
     ax.axhline(base, color="gray", linestyle="--", label="base model")
     ax.set_xscale("log")
-    ax.set_xlabel("distinct adapters N (log)")
+    ax.set_xlabel("adapters registered, N (log)")
     ax.set_ylabel("tokens per CPU-second")
     env, work = report["environment"], report["workload"]
     ax.set_title(f"{work['num_requests']} requests, ranks 8-64 on all projections; {env['dtype']}, {env['threads']} thread")
     ax.set_ylim(bottom=0)
-    ax.legend()
+    ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -102,6 +102,8 @@ def good_adapter(tiny_base, tmp_path: Path) -> Path:
         ({"r": 4}, "r:"),  # the weights say 8
         ({"layers_to_transform": [1]}, "layers_to_transform"),
         ({"rank_pattern": {"q_proj": "big"}}, "rank_pattern"),
+        ({"lora_alpha": float("nan")}, "lora_alpha"),
+        ({"alpha_pattern": {"q_proj": float("nan")}}, "alpha_pattern"),
         ({"alora_invocation_tokens": [5, 6]}, "alora_invocation_tokens"),
     ],
 )

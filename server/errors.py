@@ -48,6 +48,14 @@ def not_found(message: str) -> ApiError:
     return ApiError(404, "not_found", message)
 
 
+def model_not_found(field: str, model: str, base_model: str, models_path: str) -> ApiError:
+    """`field` names neither this deployment's model nor an adapter this server could serve."""
+    return ApiError(404, "model_not_found",
+                    f"{field}: {model!r} is not a model of this deployment, whose base model is "
+                    f"{base_model!r}, nor an adapter this server can serve (it serves no hub adapters); "
+                    f"GET {models_path} lists the base model and the adapters you can name", param=field)
+
+
 def validation(message: str, param: str | None = None) -> ApiError:
     return ApiError(422, "validation", message, param=param)
 

@@ -8,18 +8,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from lora_runtime.adapters.merge import MergedAdapters
 from lora_runtime.adapters.refs import AdapterRef, AdapterRequest, Caller, parse_adapter_ref
-from lora_runtime.adapters.sources.ids import infer_source
+from lora_runtime.adapters.sources import ids
 from lora_runtime.core import MAX_TOP_LOGPROBS, SamplingParams
 from lora_runtime.errors import ValidationError
 from lora_runtime.sampling.schema import schema_from_response_format
 from server.config import ServerConfig
+from server.errors import model_not_found
 from server.protocol import GenerateParameters
 from server.protocol import MergedAdapters as WireMergedAdapters
 from server.responses import TopCounts
+from server.tenancy import Deployment
 
 _SAMPLING_FIELDS = frozenset(field.name for field in dataclasses.fields(SamplingParams))
 
@@ -121,13 +124,34 @@ def _refuse_unsupported(values: dict[str, Any]) -> None:
         raise ValidationError(name, "not supported by this engine yet")
 
 
-def adapter_reference(parameters: GenerateParameters | None, tenant: str) -> AdapterRequest | None:
+@dataclass(frozen=True, slots=True)
+class AdapterScope:
+    """Where a request's adapter ids are read: for `tenant` (its registry holds the `pbase` ids), on
+    `deployment` (whose base model an id that names no adapter is told about), by a server that
+    serves hub ids only when `hub_enabled`."""
+
+    tenant: str
+    deployment: Deployment
+    hub_enabled: bool
+
+    @property
+    def models_path(self) -> str:
+        """The route that lists the adapters this tenant can name on this deployment."""
+        return f"/{self.tenant}/deployments/v2/llms/{self.deployment.name}/v1/models"
+
+
+def adapter_scope(tenant: str, deployment: Deployment, config: ServerConfig) -> AdapterScope:
+    return AdapterScope(tenant, deployment, hub_enabled=config.hub_endpoint is not None)
+
+
+def adapter_reference(parameters: GenerateParameters | None, scope: AdapterScope) -> AdapterRequest | None:
     """The adapter the request asks for, as the engine's `add_request(adapter=...)` takes it.
 
     The single place where the wire's adapter fields become the engine's adapter argument (docs/api.md
     section 3): None for the base model; otherwise an `AdapterRequest` scoped to the caller's
-    `tenant`, so `pbase` ids resolve in that tenant only. The hub token travels only with requests
-    that may reach the hub. Raises `ValidationError` naming the field.
+    tenant, so `pbase` ids resolve in that tenant only. The hub token travels only with requests
+    that may reach the hub. Raises `ValidationError` naming the field, or `ApiError` 404
+    `model_not_found` for an id that no source of this server could serve.
     """
     if parameters is None:
         return None
@@ -135,11 +159,24 @@ def adapter_reference(parameters: GenerateParameters | None, tenant: str) -> Ada
     if merged is not None and parameters.adapter_id:
         raise ValidationError("merged_adapters", "send either adapter_id or merged_adapters, not both")
     if merged is not None:
-        return AdapterRequest(_merged_adapters(merged), Caller(tenant, parameters.api_token))
+        return AdapterRequest(_merged_adapters(merged, scope), Caller(scope.tenant, parameters.api_token))
     if not parameters.adapter_id:
         return None
+    _refuse_unservable(parameters.adapter_id, parameters.adapter_source, scope, "adapter_id")
     ref = _parse_ref(parameters.adapter_id, parameters.adapter_source)
-    return AdapterRequest(ref, Caller(tenant, parameters.api_token if ref.source == "hub" else None))
+    return AdapterRequest(ref, Caller(scope.tenant, parameters.api_token if ref.source == "hub" else None))
+
+
+def _refuse_unservable(adapter_id: str, adapter_source: str | None, scope: AdapterScope, field: str) -> None:
+    """An id whose source is inferred as `hub` on a server that serves no hub adapters can be no
+    adapter at all (`pbase` and `s3` ids have their own forms; `local` is only ever asked for by
+    name): most often a model name typed out of habit (`llama-3-8b`), told so rather than 424 from a
+    hub that is not there. An explicit `adapter_source` is the source's to answer."""
+    if adapter_source or scope.hub_enabled or ids.infer_source(adapter_id) != "hub":
+        return
+    # A malformed id (a way out, too long, control characters) is refused as such, and never quoted.
+    ids.check_remote(adapter_id)
+    raise model_not_found(field, adapter_id, scope.deployment.base_model, scope.models_path)
 
 
 def _parse_ref(adapter_id: str, adapter_source: str | None) -> AdapterRef:
@@ -148,17 +185,20 @@ def _parse_ref(adapter_id: str, adapter_source: str | None) -> AdapterRef:
     return parse_adapter_ref(adapter_id, adapter_source or None, allow_local=adapter_source == "local")
 
 
-def _merged_adapters(merged: WireMergedAdapters) -> MergedAdapters:
-    for adapter_id in merged.ids:
+def _merged_adapters(merged: WireMergedAdapters, scope: AdapterScope) -> MergedAdapters:
+    described = {"merge_strategy": merged.merge_strategy, "density": merged.density,
+                 "majority_sign_method": merged.majority_sign_method}
+    # Its bounds first: a merge past them is refused before any of its ids is looked at.
+    spec = MergedAdapters(ids=tuple(merged.ids),
+                          weights=None if merged.weights is None else tuple(merged.weights),
+                          **{name: value for name, value in described.items() if value is not None})
+    for adapter_id in spec.distinct_ids:
         try:
+            _refuse_unservable(adapter_id, None, scope, "merged_adapters.ids")
             _parse_ref(adapter_id, None)
         except ValidationError as error:
             raise ValidationError("merged_adapters.ids", error.message) from None
-    described = {"merge_strategy": merged.merge_strategy, "density": merged.density,
-                 "majority_sign_method": merged.majority_sign_method}
-    return MergedAdapters(ids=tuple(merged.ids),
-                          weights=None if merged.weights is None else tuple(merged.weights),
-                          **{name: value for name, value in described.items() if value is not None})
+    return spec
 
 
 def adapter_headers(parameters: GenerateParameters | None) -> dict[str, str]:
@@ -168,4 +208,4 @@ def adapter_headers(parameters: GenerateParameters | None) -> dict[str, str]:
     if parameters is None or not parameters.adapter_id:
         return {"x-adapter-id": "", "x-adapter-source": "base"}
     return {"x-adapter-id": parameters.adapter_id,
-            "x-adapter-source": parameters.adapter_source or infer_source(parameters.adapter_id)}
+            "x-adapter-source": parameters.adapter_source or ids.infer_source(parameters.adapter_id)}

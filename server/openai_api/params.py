@@ -22,7 +22,7 @@ from server.openai_api.protocol import (
     ChatMessage,
     CompletionRequest,
 )
-from server.params import adapter_headers, adapter_reference, check_service_limits
+from server.params import AdapterScope, adapter_headers, adapter_reference, check_service_limits
 from server.protocol import GenerateParameters
 
 # OpenAI's documented defaults.
@@ -40,17 +40,17 @@ def is_base_model(model: str | None, deployment: Deployment) -> bool:
     return not model or model in (deployment.base_model, deployment.name)
 
 
-def adapter_for(body: ChatCompletionRequest | CompletionRequest, deployment: Deployment,
-                tenant: str) -> tuple[AdapterRequest | None, dict[str, str]]:
+def adapter_for(body: ChatCompletionRequest | CompletionRequest,
+                scope: AdapterScope) -> tuple[AdapterRequest | None, dict[str, str]]:
     """The adapter `model` names (None for the base model) and the `x-adapter-*` headers, through
     the same single parser as the TGI routes' `adapter_id`."""
-    if is_base_model(body.model, deployment):
+    if is_base_model(body.model, scope.deployment):
         parameters = GenerateParameters()
     else:
         parameters = GenerateParameters(adapter_id=body.model, adapter_source=body.adapter_source,
                                         api_token=body.api_token)
     try:
-        return adapter_reference(parameters, tenant), adapter_headers(parameters)
+        return adapter_reference(parameters, scope), adapter_headers(parameters)
     except ValidationError as error:
         raise ValidationError("model", error.message.removeprefix("adapter_id: ")) from None
 
@@ -126,7 +126,7 @@ def wire_name(field: str, body: ChatCompletionRequest | CompletionRequest) -> st
     names = {"inputs": "messages" if is_chat else "prompt", "apply_chat_template": "messages",
              "schema": "response_format", "decoder_input_details": "echo",
              "top_logprobs": "top_logprobs" if is_chat else "logprobs",
-             "penalty_counts": "frequency_penalty"}
+             "penalty_counts": "frequency_penalty", "adapter_id": "model"}
     return names.get(field, field)
 
 

@@ -35,6 +35,7 @@ from server.openai_api.protocol import (
     ModelCard,
     ModelList,
 )
+from server.params import adapter_scope
 from server.routes.inference import PREFIX
 from server.routes.openapi import OPENAI_ERROR_RESPONSES, openai_generation_doc
 from server.serving import EngineCall, counted, serve
@@ -129,7 +130,7 @@ async def _named_for(body: Body, answer: Awaitable[Response]) -> Response:
 def _chat_call(body: ChatCompletionRequest, state: ServerState, deployment: Deployment,
                tenant: str) -> EngineCall:
     params = chat_sampling_params(body, state.config)
-    adapter, adapter_headers = adapter_for(body, deployment, tenant)
+    adapter, adapter_headers = adapter_for(body, adapter_scope(tenant, deployment, state.config))
     answer = ChatAnswer(_model_name(body, deployment), params, params.best_of, _include_usage(body),
                         logprobs=bool(body.logprobs))
     return EngineCall(prompt=chat_inputs(body.messages), params=params, adapter=adapter,
@@ -141,7 +142,7 @@ def _completion_call(body: CompletionRequest, state: ServerState, deployment: De
                      tenant: str) -> EngineCall:
     params = completion_sampling_params(body, state.config)
     prompt = completion_prompt(body.prompt)
-    adapter, adapter_headers = adapter_for(body, deployment, tenant)
+    adapter, adapter_headers = adapter_for(body, adapter_scope(tenant, deployment, state.config))
     echo_text = None
     if body.echo:
         echo_text = prompt if isinstance(prompt, str) else state.engine_info.tokenizer.decode(prompt)

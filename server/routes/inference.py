@@ -17,7 +17,14 @@ from server.auth import authorize_tenant
 from server.body import read_model
 from server.deployments import resolve_deployment
 from server.errors import from_engine_error
-from server.params import adapter_headers, adapter_reference, to_sampling_params, top_counts
+from server.params import (
+    AdapterScope,
+    adapter_headers,
+    adapter_reference,
+    adapter_scope,
+    to_sampling_params,
+    top_counts,
+)
 from server.protocol import CompatRequest, GenerateRequest
 from server.responses import TgiAnswer
 from server.routes.openapi import COMPAT_DOC, GENERATE_DOC, STREAM_DOC
@@ -63,19 +70,20 @@ async def _serve(request: Request, state: ServerState, tenant_id: str, deploymen
                             state.config.max_body_bytes)
     is_stream = mode is Mode.STREAM or (mode is Mode.COMPAT and bool(body.stream))
     try:
-        call = _engine_call(body, state, tenant, is_stream, as_array=mode is Mode.COMPAT,
+        call = _engine_call(body, state, adapter_scope(tenant, deployment, state.config), is_stream,
+                            as_array=mode is Mode.COMPAT,
                             identity={"x-model-id": deployment.base_model, **adapter_headers(body.parameters)})
     except EngineError as error:
         raise from_engine_error(error, state.config.retry_after_s) from None
     return await serve(request, state, call, received)
 
 
-def _engine_call(body: GenerateRequest, state: ServerState, tenant: str, is_stream: bool,
+def _engine_call(body: GenerateRequest, state: ServerState, scope: AdapterScope, is_stream: bool,
                  as_array: bool, identity: dict[str, str]) -> EngineCall:
     """The engine's arguments and the TGI answer; raises EngineError (422) on refusal."""
     if not body.inputs:
         raise ValidationError("inputs", "must not be empty")
     params = to_sampling_params(body.parameters, state.config, is_stream)
     answer = TgiAnswer(body.inputs, params, top_counts(body.parameters), as_array)
-    return EngineCall(prompt=body.inputs, params=params, adapter=adapter_reference(body.parameters, tenant),
+    return EngineCall(prompt=body.inputs, params=params, adapter=adapter_reference(body.parameters, scope),
                       is_stream=is_stream, answer=answer, identity=identity)

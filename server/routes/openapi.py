@@ -8,7 +8,7 @@ from server.streaming import CleanupStreamingResponse
 
 _ERRORS = {
     400: "body is not a JSON object", 401: "missing or unknown token",
-    403: "another tenant's path or deployment", 404: "unknown deployment, adapter, repo or version",
+    403: "another tenant's path or deployment", 404: "unknown deployment, model, adapter, repo or version",
     409: "the repo already exists",
     413: "body too large", 422: "invalid parameters", 424: "generation failed",
     429: "too many requests in flight", 500: "the engine failed an accepted request",

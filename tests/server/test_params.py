@@ -9,8 +9,10 @@ from lora_runtime.core import SamplingParams
 from lora_runtime.errors import ValidationError
 from server.config import ServerConfig
 from lora_runtime.adapters import AdapterRef, AdapterRequest, Caller, MergedAdapters
-from server.params import adapter_headers, adapter_reference, to_sampling_params
+from server.errors import ApiError
+from server.params import AdapterScope, adapter_headers, adapter_reference, to_sampling_params
 from server.protocol import GenerateParameters
+from server.tenancy import Deployment
 
 CONFIG = ServerConfig()
 
@@ -99,8 +101,11 @@ def test_a_parameter_the_engine_lacks_is_refused_by_name_not_ignored() -> None:
     assert params({"apply_chat_template": False}) == SamplingParams()
 
 
-def _adapter(body: dict, tenant: str = "acme"):
-    return adapter_reference(GenerateParameters.model_validate(body), tenant)
+DEPLOYMENT = Deployment("acme-support", "acme", "smollm2-135m-instruct")
+
+
+def _adapter(body: dict, tenant: str = "acme", hub_enabled: bool = True):
+    return adapter_reference(GenerateParameters.model_validate(body), AdapterScope(tenant, DEPLOYMENT, hub_enabled))
 
 
 def test_adapter_fields_become_a_tenant_scoped_adapter_request() -> None:
@@ -148,3 +153,31 @@ def test_bad_adapter_fields_are_refused_naming_the_field(body: dict, field: str)
 def test_adapter_headers_name_the_adapter_and_its_source(body: dict, adapter_id: str, source: str) -> None:
     headers = adapter_headers(GenerateParameters.model_validate(body))
     assert headers == {"x-adapter-id": adapter_id, "x-adapter-source": source}
+
+
+@pytest.mark.parametrize(("body", "field", "model"), [
+    ({"adapter_id": "llama-3-8b"}, "adapter_id", "llama-3-8b"),
+    ({"adapter_id": "meta-llama/Meta-Llama-3-8B-Instruct"}, "adapter_id", "meta-llama/Meta-Llama-3-8B-Instruct"),
+    ({"adapter_id": "gpt-4o mini"}, "adapter_id", "gpt-4o mini"),  # no hub id either: still no model
+    ({"merged_adapters": {"ids": ["a/1", "llama-3-8b"]}}, "merged_adapters.ids", "llama-3-8b"),
+])
+def test_an_id_no_enabled_source_serves_is_404_model_not_found(body: dict, field: str, model: str) -> None:
+    """Without a hub, an id inferred as a hub id can be no adapter: it names no model here."""
+    with pytest.raises(ApiError) as refused:
+        _adapter(body, hub_enabled=False)
+    error = refused.value
+    assert (error.status_code, error.error_type, error.param) == (404, "model_not_found", field)
+    assert error.message.startswith(f"{field}: {model!r} ")
+    assert repr(DEPLOYMENT.base_model) in error.message
+    assert "GET /acme/deployments/v2/llms/acme-support/v1/models" in error.message
+
+
+def test_ids_an_enabled_source_may_serve_are_left_to_it() -> None:
+    assert _adapter({"adapter_id": "repo/1"}, hub_enabled=False).adapter.source == "pbase"
+    assert _adapter({"adapter_id": "s3://bucket/prefix"}, hub_enabled=False).adapter.source == "s3"
+    assert _adapter({"adapter_id": "llama-3-8b"}, hub_enabled=True).adapter.source == "hub"
+    # Asked for by name, the hub answers for itself (424: not configured).
+    assert _adapter({"adapter_id": "org/name", "adapter_source": "hub"}, hub_enabled=False).adapter.source == "hub"
+    for malformed in ("x" * 300, "../repo/1", "/etc/passwd"):  # refused as bad ids, never quoted
+        with pytest.raises(ValidationError):
+            _adapter({"adapter_id": malformed}, hub_enabled=False)

@@ -54,7 +54,7 @@ def check_common(adapter_id: object) -> str:
     return adapter_id
 
 
-def _checked(adapter_id: object) -> str:
+def check_remote(adapter_id: object) -> str:
     """A remote id: it becomes store paths and URL segments, so it never names a way out."""
     if ".." in check_common(adapter_id) or adapter_id.startswith("/"):
         raise ValidationError("adapter_id", "must not contain '..' or start with '/'")
@@ -63,7 +63,7 @@ def _checked(adapter_id: object) -> str:
 
 def parse_hub_id(adapter_id: str) -> HubId:
     """`[org/]name` or `[org/]name@revision` (a branch, tag or commit hash)."""
-    match = _HUB_ID.fullmatch(_checked(adapter_id))
+    match = _HUB_ID.fullmatch(check_remote(adapter_id))
     if match is None:
         raise ValidationError("adapter_id", "a hub adapter id is 'organization/name' or 'organization/name@revision'")
     repo_id = match["name"] if match["org"] is None else f"{match['org']}/{match['name']}"
@@ -72,7 +72,7 @@ def parse_hub_id(adapter_id: str) -> HubId:
 
 def parse_pbase_id(adapter_id: str) -> PbaseId:
     """`repo/version` or `repo/version@checkpoint`."""
-    match = _PBASE_ID.fullmatch(_checked(adapter_id))
+    match = _PBASE_ID.fullmatch(check_remote(adapter_id))
     if match is None:
         raise ValidationError("adapter_id", "a registry adapter id is 'repo/version' or 'repo/version@checkpoint'")
     checkpoint = match["checkpoint"]
@@ -81,7 +81,7 @@ def parse_pbase_id(adapter_id: str) -> PbaseId:
 
 def parse_s3_id(adapter_id: str) -> S3Id:
     """`s3://bucket/prefix` or `bucket/prefix`; a trailing `/` on the prefix is dropped."""
-    match = _S3_ID.fullmatch(_checked(adapter_id).rstrip("/"))
+    match = _S3_ID.fullmatch(check_remote(adapter_id).rstrip("/"))
     if match is None or "//" in match["prefix"] or ".." in match["bucket"]:
         raise ValidationError("adapter_id", "an S3 adapter id is 's3://bucket/prefix'")
     return S3Id(bucket=match["bucket"], prefix=match["prefix"])

@@ -69,9 +69,12 @@ class MergedAdapters:
         if not all(isinstance(adapter_id, str) and adapter_id for adapter_id in self.ids):
             raise ValidationError("merged_adapters.ids", "every id must be a non-empty string")
         if len(self.ids) > MAX_MERGED_ADAPTERS:
+            # Entries, not distinct ids: a repeated id is merged once per entry (PEFT's way; folding
+            # its weights into one entry would change the result), so each costs a weighted sum.
             raise ValidationError(
                 "merged_adapters.ids",
-                f"at most {MAX_MERGED_ADAPTERS} adapters can be merged, got {len(self.ids)}",
+                f"at most {MAX_MERGED_ADAPTERS} entries can be merged (a repeated id counts once per "
+                f"entry), got {len(self.ids)}",
             )
         object.__setattr__(self, "ids", tuple(self.ids))
         object.__setattr__(self, "weights", self._resolved_weights())

@@ -107,11 +107,11 @@ def test_no_history_of_the_work(page: Path) -> None:
 def test_the_checks_catch_what_they_look_for() -> None:
     """Each rule finds its case in a page written to break it: the tests above cannot pass by
     finding nothing."""
-    text = ("# Quick start: the API\nSee [the doc](docs/nowhere.md), [a heading](#quick-start-the-api) "
+    text = ("# Quick start: the API\nSee [the doc](guide/nowhere.md), [a heading](#quick-start-the-api) "
             "and [a site](https://example.com).\nRun `make servee`, then `make PORT=1 test`, `cd x && make install` "
             "and `python -m server.nowhere` or\n```bash\npython3.11 -m benchmarks.engine\n```\n"
             "To make room (`make PYTHON=python3` picks another), as issue 43 said.\n")
-    assert relative_links(text) == ["docs/nowhere.md", "#quick-start-the-api"]
+    assert relative_links(text) == ["guide/nowhere.md", "#quick-start-the-api"]
     assert "quick-start-the-api" in heading_anchors(text)
     assert named_make_targets(text) == {"servee", "test", "install"}
     assert "servee" not in make_targets() and {"serve", "test", "install"} <= make_targets()

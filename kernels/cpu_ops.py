@@ -134,12 +134,11 @@ def unavailable_reason(form: str) -> str | None:
 def bf16_matmul() -> str | None:
     """How the active form's compiled matmuls multiply bf16 where that beats float32 on this CPU:
     "vdpbf16ps" (AVX512-BF16 and AMX forms: twice FMA's FLOPs per instruction) or "widened to
-    float32" (the AVX-512 form: bf16 weights widened to float32 for `vfmadd`, the same arithmetic as float32
-    on half the bytes); None elsewhere. Measured on an Intel Xeon in the AVX-512 form, one thread,
-    `python -m benchmarks.engine --adapters 8 --targets all-linear`: bf16 base 273.8, W 240.4 tokens
-    per CPU-second against float32 262.2, 222.5. In the AVX2 form the widened bf16 matmul ran the
-    base workload slower than float32 (115.7 against 129.7) and without the compiled ops bf16 takes
-    PyTorch's widened paths (5x slower than float32 on an AMD Zen 3): float32 there."""
+    float32" (the AVX-512 form: bf16 weights widened to float32 for `vfmadd`, the same arithmetic as
+    float32 on half the bytes); None elsewhere. The widened AVX-512 form ran the engine's workloads
+    faster in bf16 than in float32; the AVX2 form's widened matmul, and PyTorch's widened paths
+    without the compiled ops, ran slower, so float32 stays there (figures in docs/benchmarks.md,
+    "Why the tuning constants are what they are")."""
     return {"amx": "vdpbf16ps", "avx512_bf16": "vdpbf16ps", "avx512": "widened to float32"}.get(active_form() or "")
 
 

@@ -4,9 +4,7 @@ as float32 and float32 elsewhere.
 On CPU that is where the compiled ops have an AVX-512 form (`kernels.cpu_ops.bf16_matmul`): with
 `vdpbf16ps` (AVX512-BF16, AMX) bf16 does twice FMA's multiply-adds per instruction, and without it the
 AVX-512 form widens bf16 weights to float32 in registers (the same arithmetic on half the bytes).
-Measured on an AVX2-only AMD Zen 3 (one thread, the engine benchmark's 64 requests): bf16 ran at
-18.7 tokens per CPU-second against 113 in float32 before the AVX2 form had a bf16 matmul, and slower
-than float32 since (kernels/cpu_ops.py)."""
+Elsewhere bf16 ran slower than float32 (docs/benchmarks.md)."""
 from __future__ import annotations
 
 import torch

@@ -150,7 +150,7 @@ def ratio_floor(engine: Engine, prompt_lens: list[int], new_tokens: int,
     pages' dtype) read once per step, its FLOPs at the higher of the matmul library's rate and the
     instruction peak (the optimistic choice, so the bound holds); first with the adapters' reads
     under the arithmetic, then after it (what one core reaches when its prefetches cannot overlap
-    the reads with the matmuls: measured on an Intel Xeon, see the README)."""
+    the reads with the matmuls: measured on an Intel Xeon, docs/benchmarks.md)."""
     model = engine.model
     rates = measure_rates(model.shape.hidden_size, model.shape.intermediate_size, model.dtype)
     peak = instruction_peak(str(model.dtype).removeprefix("torch."))

@@ -2,12 +2,15 @@
 of vLLM's `vllm:lora_requests_info` that routers' LoRA affinity reads (the Gateway API inference
 extension's endpoint picker, llm-d), and per-adapter request and generated-token counters.
 
-An adapter is named by the id its clients send (`adapter_id`: `repo/1`, `org/name`,
-`s3://bucket/prefix`), what an OpenAI `model` field carries, so that a router matches it against the
-requests it routes. A name can give away a tenant's private adapter (pbase repos are per tenant; a hub
-adapter read with a caller's token is keyed by that credential), so every series belongs to the tenant
-of its adapter's key (`AdapterKey.scope`), or to every reader when the key has neither tenant nor
-credential; a reader sees its own tenant's series and those, and `viewer=None` sees them all.
+An adapter is named by its identity (`AdapterRef.identity`): the id its clients send (`adapter_id`:
+`repo/1`, `org/name`, `s3://bucket/prefix`), what an OpenAI `model` field carries, so that a router
+matches it against the requests it routes, in one spelling per adapter (`./tiny` and `tiny/../tiny`
+are the local adapter `tiny`, `bucket/prefix/` is `s3://bucket/prefix`).
+
+A name can give away a tenant's private adapter (pbase repos are per tenant; a hub adapter read with a
+caller's token is keyed by that credential), so every series belongs to the tenant of its adapter's
+key (`AdapterKey.scope`), or to every reader when the key has neither tenant nor credential; a reader
+sees its own tenant's series and those, and `viewer=None` sees them all.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from lora_runtime.adapters.refs import AdapterKey, AdapterRequest
 from lora_runtime.async_engine import EngineStats
 
-# The series of a tenant's adapters past the first `max_adapters`: no pbase, hub or s3 id starts
+# The series of a tenant's adapters past its first `max_adapters`: no pbase, hub or s3 id starts
 # with "(" (their patterns start with a letter or digit).
 OVERFLOW_ADAPTER = "(other)"
 BASE_MODEL = ""  # the adapter label of requests without an adapter
@@ -31,7 +34,7 @@ _Series = tuple[str | None, str]  # (owner: a tenant, None for every reader; the
 
 
 def adapter_name(key: AdapterKey) -> str:
-    """The id clients send for this adapter; a merge is `merge(a/1+b/2)`, its ids without their
+    """The adapter's identity, as clients send it; a merge is `merge(a/1+b/2)`, its ids without their
     weights. Commas, which separate names in `lora_requests_info`, are percent-encoded (of all ids,
     only a local path can hold one)."""
     name = _merge_name(key.adapter_id) if key.source == "merge" else key.adapter_id
@@ -76,15 +79,17 @@ class _Counts:
 
 
 class AdapterCounters:
-    """Requests and generated tokens per adapter, with bounded cardinality: the first `max_adapters`
-    distinct adapters (one tenant's `repo/1` and another's are two) get their own series, and each
-    later one is counted in its tenant's `(other)` series. A scrape thus holds at most `max_adapters`
-    adapter series, one `(other)` per tenant that overflowed, and the base model's. Thread-safe."""
+    """Requests and generated tokens per adapter, with bounded cardinality per tenant: each tenant's
+    first `max_adapters` distinct adapters get their own series, and each later one is counted in its
+    tenant's `(other)` series, so one tenant's many adapters never push another's into `(other)`. A
+    scrape thus holds at most `max_adapters` adapter series per tenant (tenants are the operator's),
+    one `(other)` per tenant that overflowed, and the base model's. Thread-safe."""
 
     def __init__(self, max_adapters: int) -> None:
         self.max_adapters = max_adapters
         self._counts: dict[_Series, _Counts] = {}
-        self._named: set[_Series] = set()  # the adapters with their own series, at most max_adapters
+        # Per owner, the adapters with their own series: at most max_adapters each.
+        self._named: dict[str | None, set[str]] = {}
         self._lock = threading.Lock()
 
     def observe(self, adapter: AdapterRequest | None, num_generated_tokens: int) -> None:
@@ -98,11 +103,12 @@ class AdapterCounters:
         if adapter is None:
             return None, BASE_MODEL
         key = adapter.key
-        series = owner_of(key), adapter_name(key)
-        if series not in self._named and len(self._named) >= self.max_adapters:
-            return series[0], OVERFLOW_ADAPTER
-        self._named.add(series)
-        return series
+        owner, name = owner_of(key), adapter_name(key)
+        named = self._named.setdefault(owner, set())
+        if name not in named and len(named) >= self.max_adapters:
+            return owner, OVERFLOW_ADAPTER
+        named.add(name)
+        return owner, name
 
     def families(self, viewer: str | None) -> list[CounterMetricFamily]:
         """`lora_adapter_requests_total` and `lora_adapter_generated_tokens_total`, labelled by

@@ -24,8 +24,8 @@ class ServerConfig:
 
     `/metrics` (docs/api.md section 1): with `metrics_tenant` set, only that tenant's tokens read it
     (403 for the others) and see every series; unset, every tenant reads it and sees, of the series
-    that name adapters, those of its own adapters. `metrics_max_adapters` bounds the per-adapter
-    counters' series (later adapters are counted in their tenant's `(other)` series).
+    that name adapters, those of its own adapters. `metrics_max_adapters` bounds each tenant's
+    per-adapter counters' series (its later adapters are counted in its `(other)` series).
     """
 
     host: str = "127.0.0.1"

@@ -56,8 +56,8 @@ def add_service_options(parser: argparse.ArgumentParser) -> None:
                         help="also serve /metrics, every series and no token, on this port of --host, for "
                              "scrapers that send no token (routers); keep it off public networks")
     parser.add_argument("--metrics-max-adapters", type=int, default=_DEFAULTS.metrics_max_adapters,
-                        help="adapters counted in their own /metrics series; later ones share their "
-                             "tenant's (other) series")
+                        help="adapters of each tenant counted in their own /metrics series; the "
+                             "tenant's later ones share its (other) series")
     adapters = parser.add_argument_group("adapters")
     adapters.add_argument("--hub-endpoint", default=None,
                           help="Hugging Face hub URL for hub adapters, e.g. https://huggingface.co "

@@ -15,6 +15,7 @@ inside its root when it has one (the server), any readable directory when it has
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -31,13 +32,24 @@ SOURCES = ("pbase", "hub", "s3", "local")
 class AdapterRef:
     """A validated reference. `adapter_id` is the id as the caller wrote it; `name` is what the
     source looks up: the hub repo (`org/name`), the pbase repo, `bucket/prefix` for s3, the path for
-    local. `version` is pbase's version; `revision` the hub revision or pbase checkpoint."""
+    local (normalized). `version` is pbase's version; `revision` the hub revision or pbase checkpoint."""
 
     source: str
     adapter_id: str
     name: str
     version: int | None = None
     revision: str | None = None
+
+    @property
+    def identity(self) -> str:
+        """The adapter whatever the spelling of its id: `s3://bucket/prefix` for `bucket/prefix/`,
+        the normalized path for `./tiny` and `tiny/../tiny` (`tiny`), `repo/1@3` for `repo/1@03`."""
+        if self.source == "s3":
+            return f"s3://{self.name}"
+        if self.source == "local":
+            return self.name
+        named = self.name if self.version is None else f"{self.name}/{self.version}"
+        return named if self.revision is None else f"{named}@{self.revision}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,8 +67,8 @@ class Caller:
 
 @dataclass(frozen=True, slots=True, order=True)
 class AdapterKey:
-    """What identifies an adapter's weights: its source and id (a merge: "merge" and its whole
-    description), the tenant it was read for, a digest of the credential that read it (so a private
+    """What identifies an adapter's weights: its source and identity (`AdapterRef.identity`, the same
+    for every spelling of one id; a merge: "merge" and its whole description), the tenant it was read for, a digest of the credential that read it (so a private
     adapter cached for one caller is never served to another on the strength of the cache alone),
     and what a mutable id named when it was read (`version`: a pbase version's blob ids), so the same
     id naming new content is a new key."""
@@ -88,7 +100,7 @@ class AdapterRequest:
             described = repr((merge.ids, merge.weights, merge.merge_strategy, merge.density, merge.majority_sign_method))
             return AdapterKey("merge", self.caller.scope, self.caller.credential, self.version_key, described)
         return AdapterKey(self.adapter.source, self.caller.scope, self.caller.credential, self.version_key,
-                          self.adapter.adapter_id)
+                          self.adapter.identity)
 
     def part(self, adapter_id: str, allow_local: bool) -> AdapterRequest:
         """The request for one id of this merge, for the same caller."""
@@ -147,7 +159,9 @@ def _parse_s3(adapter_id: str) -> AdapterRef:
 
 
 def _parse_local(adapter_id: str) -> AdapterRef:
-    return AdapterRef("local", adapter_id, adapter_id)
+    # Normalized lexically, so that every spelling of one directory is one adapter (one key, one
+    # load) and what is looked up is what the key names; `LocalSource` then checks where it lands.
+    return AdapterRef("local", adapter_id, os.path.normpath(adapter_id))
 
 
 class LocalSource:

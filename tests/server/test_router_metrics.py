@@ -149,6 +149,11 @@ def test_adapter_names_are_the_ids_clients_send() -> None:
     assert name(merge) == "merge(french/1+org/name)"
     # Commas separate the names in lora_requests_info.
     assert name("team/a,b", adapter_source="local", allow_local=True) == "team/a%2Cb"
+    # One adapter is one name, whatever the spelling of its id.
+    local = {name(spelling, adapter_source="local", allow_local=True) for spelling in ("tiny", "./tiny", "tiny/../tiny")}
+    assert local == {"tiny"}
+    assert {name(spelling, adapter_source="s3") for spelling in ("bucket/a/b", "bucket/a/b/")} == {"s3://bucket/a/b"}
+    assert name("french/1@03") == "french/1@3"
 
 
 class TestEveryTenantReads:
@@ -183,11 +188,13 @@ class TestEveryTenantReads:
             now, then = view[series], old.get(series, (0, 0))
             return now[0] - then[0], now[1] - then[1]
 
-        # The bound (2) is taken by demo's first two adapters; later ones count in their tenant's (other).
+        # The bound (2) is per tenant: demo's first two adapters take demo's, its later ones count in
+        # demo's (other), and the other tenant's adapter still gets a series of its own.
         assert added(demo, before["demo"], ("demo", "french/1")) == (2, 7)
         assert added(demo, before["demo"], ("demo", "json/1")) == (1, 5)
         assert added(demo, before["demo"], ("demo", "(other)")) == (1, 6)
-        assert added(other, before["other"], ("other", "(other)")) == (1, 7)
+        assert added(other, before["other"], ("other", "secret/1")) == (1, 7)
+        assert ("other", "(other)") not in other
         for view, old in ((demo, before["demo"]), (other, before["other"])):
             assert added(view, old, ("", "")) == (1, 2)  # the base model's series, everyone's
         # Each tenant sees its own adapters' series only.

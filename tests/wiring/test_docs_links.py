@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -57,8 +58,11 @@ def named_modules(text: str) -> set[str]:
 
 
 def is_repository_module(name: str) -> bool:
-    """`name` resolves to a file of this repository, found without importing the module itself
-    (its parent packages' `__init__` do run: they are light, and `server/` needs no torch)."""
+    """`name` is the standard library's (`python -m venv`) or resolves to a file of this repository,
+    found without importing the module itself (its parent packages' `__init__` do run: they are
+    light, and `server/` needs no torch)."""
+    if name.partition(".")[0] in sys.stdlib_module_names:
+        return True
     try:
         spec = importlib.util.find_spec(name)
     except ModuleNotFoundError:  # a parent package is missing
@@ -117,4 +121,5 @@ def test_the_checks_catch_what_they_look_for() -> None:
     assert "servee" not in make_targets() and {"serve", "test", "install"} <= make_targets()
     assert named_modules(text) == {"server.nowhere", "benchmarks.engine"}
     assert not is_repository_module("server.nowhere") and is_repository_module("benchmarks.engine")
+    assert is_repository_module("venv") and not is_repository_module("pytest")  # installed, not ours
     assert _HISTORY.findall(text) == ["issue 43"]

@@ -67,7 +67,10 @@ def is_repository_module(name: str) -> bool:
         spec = importlib.util.find_spec(name)
     except ModuleNotFoundError:  # a parent package is missing
         return False
-    return spec is not None and spec.origin is not None and Path(spec.origin).is_relative_to(ROOT)
+    if spec is None or spec.origin is None:
+        return False
+    origin = Path(spec.origin).resolve()  # the repository's own tree, not its .venv
+    return origin.is_relative_to(ROOT) and origin.relative_to(ROOT).parts[0] == name.partition(".")[0]
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)

@@ -20,13 +20,11 @@ from lora_runtime.adapters.cache import AdapterLease
 from lora_runtime.adapters.manager import Lease
 from lora_runtime.adapters.refs import AdapterKey, AdapterRequest, Caller
 from lora_runtime.core import Request, RequestOutput, SamplingParams
-from lora_runtime.engine import Engine
+from lora_runtime.engine import IDLE_WAIT_S, Engine
 from lora_runtime.engine_info import EngineInfo
 from lora_runtime.errors import EngineError, RequestAbortedError
 
 logger = logging.getLogger(__name__)
-
-_IDLE_WAIT_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,7 +212,7 @@ class AsyncEngine:
             self._streams[new_id] = RequestStream(new_id, self, final_only)
             future.set_result(self._streams[new_id])
 
-        self._commands.put(add)
+        self._submit(add)
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
@@ -233,7 +231,12 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             self.engine.abort(request_id)
 
-        self._commands.put(abort)
+        self._submit(abort)
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        """Queue a command for the loop thread and cut short a step waiting idle for an adapter load."""
+        self._commands.put(command)
+        self.engine.wake()
 
     def stats(self) -> EngineStats:
         """Safe from any thread: sizes only (each read atomic), and what the loop thread and
@@ -294,7 +297,7 @@ class AsyncEngine:
 
     def _drain_commands(self, block: bool) -> None:
         try:
-            command = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+            command = self._commands.get(timeout=IDLE_WAIT_S) if block else self._commands.get_nowait()
         except queue.Empty:
             return
         while True:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -38,6 +39,10 @@ from lora_runtime.validation import prepare_prompt
 
 logger = logging.getLogger(__name__)
 
+# The longest a step waits, when requests wait and none can run, for an adapter load to settle or for
+# `wake()`: every known change that can let a request run signals, so this bounds only the unknown ones.
+IDLE_WAIT_S = 0.05
+
 
 class Engine:
     def __init__(
@@ -65,6 +70,7 @@ class Engine:
         self._group_of: dict[str, BestOfGroup] = {}  # candidate request id -> its best_of group
         self._leases: dict[str, Lease] = {}  # request id -> its hold on its adapter
         self._request_counter = itertools.count()
+        self._wakeup = threading.Event()  # set when an adapter load settles or `wake()` is called
 
     @classmethod
     def from_config(cls, config: EngineConfig | None = None, adapter_sources: dict[str, AdapterSource] | None = None) -> Engine:
@@ -140,6 +146,7 @@ class Engine:
         if lease is not None:
             request.adapter_key = lease.key
             self._leases[request_id] = lease
+            lease.load.add_done_callback(lambda _: self._wakeup.set())
         self._states[request_id] = state
         if params.best_of > 1:
             self._group_of[request_id] = BestOfGroup(state)
@@ -182,11 +189,22 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    def wake(self) -> None:
+        """End a step's idle wait now (safe from any thread): the caller has new work for the engine."""
+        self._wakeup.set()
+
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; returns a snapshot of every request that made progress (or failed)."""
+        """Run one scheduling step; returns a snapshot of every request that made progress (or failed).
+
+        When requests wait and none can run (their adapters are still loading), the step first waits
+        up to `IDLE_WAIT_S` for a load to settle or for `wake()`: a caller calling again at once would
+        spin holding the GIL, which the loader threads need for every tensor op they run."""
+        self._wakeup.clear()  # before looking: a load settling from here on ends the wait below
         failed = self._fail_requests_with_failed_adapters()
         output = self.scheduler.schedule()
         if output.is_empty:
+            if not failed and self.has_unfinished_requests():
+                self._wakeup.wait(IDLE_WAIT_S)
             return failed
         runner_output = self.runner.execute(output)
         self.scheduler.update_after_step(output)

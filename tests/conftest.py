@@ -1,11 +1,20 @@
 """Test-wide settings. TRITON_INTERPRET must be set before any Triton kernel module is imported,
-so that Triton kernels run on CPU tensors in the interpreter (there is no GPU in CI)."""
+so that Triton kernels run on CPU tensors in the interpreter (there is no GPU in CI); with
+LORA_TEST_DEVICE=cuda (tests/device.py) it is cleared instead, and the kernels compile for the GPU."""
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests.device import DEVICE_VARIABLE, ON_GPU
+
+if ON_GPU:
+    os.environ.pop("TRITON_INTERPRET", None)
+else:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+if ON_GPU and not torch.cuda.is_available():
+    raise pytest.UsageError(f"{DEVICE_VARIABLE}=cuda, but torch sees no CUDA device")
 
 # Under contention two threads made small ops ~300x slower (docs/semantics.md, "Tests on CPU").
 torch.set_num_threads(1)

@@ -16,6 +16,7 @@ from triton.runtime import interpreter
 
 import kernels
 from kernels import cpu_ops
+from tests.device import TEST_DEVICE
 
 interpreter.interpreter_builder.options = dataclasses.replace(
     interpreter.interpreter_builder.options, sanitize_overflow=False
@@ -48,4 +49,5 @@ def cpu_backend(request: pytest.FixtureRequest):
 
 @pytest.fixture
 def triton_backend():
-    return kernels.backend_for("cpu", "triton")
+    """The Triton backend on the run's test device (tests/device.py)."""
+    return kernels.backend_for(TEST_DEVICE, "triton")

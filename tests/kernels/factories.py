@@ -1,6 +1,7 @@
 """Small builders of random kernel inputs shared by the kernel tests."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +64,11 @@ class PagedLora:
     slices: list[LoraSlice]  # for Backend.add_lora
     tables: dict[str, PageTable]  # for Backend.plan_lora
     reference_slices: list[tuple[int, int, list]]  # for reference.add_lora: (start, end, factors[e])
+
+    def with_pages_on(self, device: str) -> PagedLora:
+        """The page pools moved to `device`; the reference's factors stay on the CPU, where the oracle runs."""
+        slices = [dataclasses.replace(piece, a=piece.a.to(device), b=piece.b.to(device)) for piece in self.slices]
+        return dataclasses.replace(self, slices=slices)
 
 
 def paged_lora(

@@ -1,5 +1,5 @@
-"""Triton SGMV/BGMV kernels over paged adapter weights (`RowPages`), run in the interpreter on CPU
-tensors, against `reference.add_lora`.
+"""Triton SGMV/BGMV kernels over paged adapter weights (`RowPages`), on the test device (the
+interpreter on CPU tensors, or compiled on CUDA: tests/device.py), against `reference.add_lora` on CPU.
 
 Every row of a page pool that no entry owns (spare pages, rows of a last page past the rank) is NaN,
 so a kernel that reads past an entry's rank or pages shows NaNs; some columns of y are -0.0, so a
@@ -13,10 +13,13 @@ from kernels import reference, tuning
 from kernels.lora.layouts import PAGE_ROWS, RowPages
 from kernels.lora.plans import TritonLoraPlan
 from kernels.lora.triton_ops import add_lora_triton
+from tests.device import ON_GPU, TEST_DEVICE
 from tests.kernels.factories import PagedLora, paged_lora, popularity_slots
 
 PATTERNS = ["distinct", "uniform", "zipf", "identical", "skewed"]
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-2, torch.bfloat16: 3e-2}
+# Every pattern and rank mix in each dtype on a GPU; in float32 alone under the (slow) interpreter.
+PATTERN_DTYPES = [torch.float32, torch.float16, torch.bfloat16] if ON_GPU else [torch.float32]
 # ranks[e][i]: entry e's rank on slice i. Ranks 1, 15, 16, 17, 33, 64 on every slice, one rank of 0
 # on each slice, and an entry that adapts nothing.
 MIXED_RANKS = [[1, 16, 0], [15, 0, 17], [16, 33, 1], [17, 1, 64], [33, 64, 15], [64, 17, 16], [0, 0, 0]]
@@ -24,7 +27,7 @@ MIXED_RANKS = [[1, 16, 0], [15, 0, 17], [16, 33, 1], [17, 1, 64], [33, 64, 15], 
 
 def _case(num_tokens, pattern, dtype, ranks=MIXED_RANKS, hidden_in=40, slice_widths=(48, 16, 16), seed=0,
           sort=False):  # fmt: skip
-    """(pages, token entries with about 20% -1, x, y) of one step."""
+    """(pages, token entries with about 20% -1, x, y) of one step, on the test device."""
     gen = torch.Generator().manual_seed(seed)
     lora = paged_lora(RowPages(dtype), ranks, hidden_in, list(slice_widths), gen)
     _poison_unowned_rows(lora)
@@ -35,7 +38,7 @@ def _case(num_tokens, pattern, dtype, ranks=MIXED_RANKS, hidden_in=40, slice_wid
     x = torch.randn(num_tokens, hidden_in, generator=gen).to(dtype)
     y = torch.randn(num_tokens, sum(slice_widths), generator=gen).to(dtype)
     y[:, ::3] = -0.0
-    return lora, entries.tolist(), x, y
+    return lora.with_pages_on(TEST_DEVICE), entries.tolist(), x.to(TEST_DEVICE), y.to(TEST_DEVICE)
 
 
 def _poison_unowned_rows(lora: PagedLora) -> None:
@@ -51,12 +54,13 @@ def _poison_unowned_rows(lora: PagedLora) -> None:
 
 
 def _check(lora: PagedLora, entries: list[int], x, y, run) -> None:
-    """`run(out, plan)` adds the LoRA delta into out; compared with the oracle, and bitwise on every
-    (token, slice) that must stay untouched."""
+    """`run(out, plan)` adds the LoRA delta into out; compared with the oracle (on CPU copies), and
+    bitwise on every (token, slice) that must stay untouched."""
     plan = TritonLoraPlan.build(entries, lora.tables, x.device)
-    out, expected = y.clone(), y.clone()
+    out, expected = y.clone(), y.to("cpu", copy=True)
     run(out, plan)
-    reference.add_lora(expected, x, entries, lora.reference_slices)
+    out, y = out.cpu(), y.cpu()
+    reference.add_lora(expected, x.cpu(), entries, lora.reference_slices)
     tolerance = TOLERANCE[y.dtype]
     torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
     for t, entry in enumerate(entries):
@@ -73,12 +77,13 @@ def _kernels(lora: PagedLora, x, kind: str | None = None, split_k: int | None = 
     return lambda out, plan: add_lora_triton(out, x, lora.slices, plan, kind, split_k)
 
 
+@pytest.mark.parametrize("dtype", PATTERN_DTYPES)
 @pytest.mark.parametrize("kind", ["sgmv", "bgmv"])
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize("num_tokens", [1, 3, 7, 33])
-def test_mixed_ranks_match_reference(kind, pattern, num_tokens) -> None:
+def test_mixed_ranks_match_reference(kind, pattern, num_tokens, dtype) -> None:
     """Either kernel pair on any batch shape: ranks 1-64 and 0 mixed in one step, three slices."""
-    lora, entries, x, y = _case(num_tokens, pattern, torch.float32, seed=num_tokens)
+    lora, entries, x, y = _case(num_tokens, pattern, dtype, seed=num_tokens)
     _check(lora, entries, x, y, _kernels(lora, x, kind))
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from lora_runtime.adapters.cache import AdapterLease
 from lora_runtime.adapters.manager import Lease
 from lora_runtime.adapters.refs import AdapterKey, AdapterRequest, Caller
-from lora_runtime.core import Request, RequestOutput, SamplingParams
+from lora_runtime.core import CacheScope, Request, RequestOutput, SamplingParams
 from lora_runtime.engine import IDLE_WAIT_S, Engine
 from lora_runtime.engine_info import EngineInfo
 from lora_runtime.errors import EngineError, RequestAbortedError
@@ -164,16 +164,17 @@ class AsyncEngine:
         request_id: str | None = None,
         api_token: str | None = None,
         final_only: bool = False,
+        cache_scope: CacheScope = CacheScope(),
     ) -> RequestStream:
         """Load the request's adapter, then validate and queue: validation and adapter failures
         raise EngineError subclasses here, before anything is streamed. With `final_only` the
-        stream yields the finished output alone."""
+        stream yields the finished output alone. `cache_scope`: as `Engine.add_request`'s."""
         adapter_request = self.engine.adapters.parse(adapter, Caller(api_token=api_token))
         pending = Counter([adapter_request.key if adapter_request is not None else None])
         self._pending = self._pending + pending
         try:
             lease = await self._load(adapter_request)
-            return await self._add(prompt, params, lease or adapter_request, request_id, final_only)
+            return await self._add(prompt, params, lease or adapter_request, request_id, final_only, cache_scope)
         finally:
             self._pending = self._pending - pending
 
@@ -190,7 +191,7 @@ class AsyncEngine:
         return lease
 
     async def _add(self, prompt: str | list[int], params: SamplingParams, adapter: object,
-                   request_id: str | None, final_only: bool) -> RequestStream:
+                   request_id: str | None, final_only: bool, cache_scope: CacheScope) -> RequestStream:
         """Hand the request to the loop thread, which validates and queues it. A caller cancelled
         before the loop gets to it is never queued (its adapter hold released); one cancelled while
         it is queued has its request aborted as soon as it exists."""
@@ -202,7 +203,8 @@ class AsyncEngine:
                     adapter.release()
                 return
             try:
-                new_id = self.engine.add_request(prompt, params, adapter, request_id=request_id)
+                new_id = self.engine.add_request(prompt, params, adapter, request_id=request_id,
+                                                 cache_scope=cache_scope)
             except Exception as error:  # handed to the caller, who maps it to a status
                 future.set_exception(error)
                 return

@@ -14,12 +14,19 @@ class KVCacheConfig:
 
     `enable_prefix_caching`: full blocks stay reusable after their request ends, found by a hash chain
     of their tokens and the adapter identity, so a request sharing a prefix with an earlier one (same
-    adapter, same weights) computes only the rest (`lora_runtime/prefix_cache.py`)."""
+    adapter, same weights) computes only the rest (`lora_runtime/prefix_cache.py`). Blocks are
+    reused only within a request's `CacheScope`: its tenant, and its `cache_salt` when it sends one.
+
+    `share_base_prefix_cache`: the base model's blocks are shared by all tenants (adapters' never
+    are), for tenants that trust each other: a prompt sent by one is then cheaper for the others, and
+    any tenant can tell, from `cached_tokens` or the time to the first token, whether another has
+    sent a given prefix (a system prompt, a document, a secret guessed block by block)."""
 
     block_size_tokens: int = 16
     num_blocks: int | None = None
     memory_bytes: int = 512 * 1024 * 1024
     enable_prefix_caching: bool = True
+    share_base_prefix_cache: bool = False
 
     def __post_init__(self) -> None:
         assert self.block_size_tokens > 0, "block_size_tokens must be positive"

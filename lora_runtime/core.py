@@ -20,6 +20,7 @@ PenaltyCounts = Literal["output", "sequence_fraction"]
 PENALTY_COUNTS: tuple[PenaltyCounts, ...] = ("output", "sequence_fraction")
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit on logit_bias entries
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+MAX_CACHE_SALT_CHARS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +153,24 @@ def _check_float(name: str, value: object, rule: str, is_valid) -> None:
         raise ValidationError(name, rule)
 
 
+@dataclass(frozen=True, slots=True)
+class CacheScope:
+    """Whose cached prompt blocks a request may reuse (lora_runtime/prefix_cache.py): only those
+    computed for the same `tenant` ("" for the library's one caller) and the same `salt`. The salt
+    (the wire's `cache_salt`) is a secret of the caller's choosing that keeps its requests apart from
+    every request without it; it is left out of `repr`, so that no log shows it."""
+
+    tenant: str = ""
+    salt: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.salt is None:
+            return
+        if not isinstance(self.salt, str) or not 1 <= len(self.salt) <= MAX_CACHE_SALT_CHARS:
+            # The value is never quoted: it is a secret.
+            raise ValidationError("cache_salt", f"must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters")
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -240,6 +259,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     adapter_key: AdapterKey | None = None
+    cache_scope: CacheScope = CacheScope()
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING

@@ -23,7 +23,7 @@ from lora_runtime.adapters.weights import BaseModelShape
 from lora_runtime.best_of import BestOfGroup
 from lora_runtime.config import EngineConfig
 from lora_runtime.dtypes import resolve_dtype
-from lora_runtime.core import Request, RequestOutput, RequestStatus, SamplingParams
+from lora_runtime.core import CacheScope, Request, RequestOutput, RequestStatus, SamplingParams
 from lora_runtime.embedded import EMBEDDED_MODEL_NAME, ensure_embedded_model
 from lora_runtime.engine_info import EngineInfo
 from lora_runtime.errors import EngineError, ValidationError
@@ -117,6 +117,7 @@ class Engine:
         adapter: object = None,
         request_id: str | None = None,
         api_token: str | None = None,
+        cache_scope: CacheScope = CacheScope(),
     ) -> str:
         """Validate and queue a request; returns its id. Raises ValidationError for bad input.
 
@@ -124,7 +125,7 @@ class Engine:
         `AdapterRef`, a `MergedAdapters`, an `AdapterRequest`, or a lease from `adapters.acquire`,
         which the engine then owns (released when the request ends, or here if it is refused). It
         loads in the background; other requests keep running meanwhile, and a failed load fails this
-        request only.
+        request only. `cache_scope`: whose cached prompt blocks it may reuse (its tenant, its salt).
         """
         params = params or SamplingParams()
         lease = adapter if isinstance(adapter, AdapterLease) else None
@@ -137,7 +138,8 @@ class Engine:
                 raise ValidationError("request_id", f"{request_id!r} is already in use")
             chat_template = self._chat_template(params, lease)
             prompt_text, token_ids, params = prepare_prompt(prompt, params, self, chat_template)
-            request = Request(request_id=request_id, prompt_token_ids=token_ids, params=params)
+            request = Request(request_id=request_id, prompt_token_ids=token_ids, params=params,
+                              cache_scope=cache_scope)
             state = RequestState(request, prompt_text, self.tokenizer_info)
         except BaseException:
             if lease is not None:
@@ -154,11 +156,12 @@ class Engine:
         return request_id
 
     def _kv_identity(self, request: Request) -> bytes:
-        """The root of the request's KV block chain: its adapter's key and the load its weights came
-        from (the scheduler asks once the adapter is loaded)."""
+        """The root of the request's KV block chain: its cache scope, its adapter's key and the load
+        its weights came from (the scheduler asks once the adapter is loaded)."""
         lease = self._leases.get(request.request_id)
         load_serial = lease.load.result().load_serial if lease is not None else None
-        return kv_identity(request.adapter_key, load_serial)
+        return kv_identity(request.adapter_key, load_serial, request.cache_scope,
+                           self.config.kv_cache.share_base_prefix_cache)
 
     def _chat_template(self, params: SamplingParams, lease: Lease | None) -> str | None:
         """The adapter's own chat template for apply_chat_template: this waits for the adapter to
@@ -304,7 +307,7 @@ class Engine:
         children = []
         for index in range(1, group.num_candidates):
             request = Request(group.candidate_id(index), first.request.prompt_token_ids, first.request.params,
-                              adapter_key=first.request.adapter_key,
+                              adapter_key=first.request.adapter_key, cache_scope=first.request.cache_scope,
                               num_cached_tokens=first.request.num_cached_tokens)
             child = RequestState(request, first.prompt, self.tokenizer_info, candidate_index=index)
             self._states[request.request_id] = child
@@ -343,14 +346,17 @@ class Engine:
         prompts: Sequence[str | list[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         adapters: Sequence[object] | None = None,
+        cache_scope: CacheScope = CacheScope(),
     ) -> list[RequestOutput]:
-        """Run prompts to completion together; outputs in prompt order. A request whose adapter
-        failed to load comes back with `error` set and no tokens; the others are unaffected."""
+        """Run prompts to completion together, all in `cache_scope`; outputs in prompt order. A
+        request whose adapter failed to load comes back with `error` set and no tokens; the others
+        are unaffected."""
         param_list = _broadcast_params(params, len(prompts))
         adapter_list = list(adapters) if adapters is not None else [None] * len(prompts)
         if len(adapter_list) != len(prompts):
             raise ValidationError("adapters", f"expected {len(prompts)} entries, got {len(adapter_list)}")
-        ids = [self.add_request(prompt, p, adapter) for prompt, p, adapter in zip(prompts, param_list, adapter_list)]
+        ids = [self.add_request(prompt, p, adapter, cache_scope=cache_scope)
+               for prompt, p, adapter in zip(prompts, param_list, adapter_list)]
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):
             for output in self.step():

@@ -8,6 +8,12 @@ i-1's digest and block i's token ids. The identity is encoded as JSON, so no cho
 make two identities encode alike (vllm#44701's salt collision); the same prompt under two adapters,
 two tenants, two credentials, or one pbase id whose blob was replaced, starts from different roots
 and never shares a block. Only a SHA-256 collision could alias two blocks.
+
+Whose blocks a request may reuse is part of the root too (`CacheScope`): its tenant and its
+`cache_salt`. A hit is visible to the caller (`cached_tokens`, and the time to the first token), so
+a chain shared across tenants would let any tenant test, block by block, whether another has sent
+a given prefix. The base model's chain drops the tenant only when the operator says its tenants
+trust each other (`KVCacheConfig.share_base_prefix_cache`); the salt always stays.
 """
 from __future__ import annotations
 
@@ -17,13 +23,18 @@ import struct
 from collections.abc import Sequence
 
 from lora_runtime.adapters.refs import AdapterKey
+from lora_runtime.core import CacheScope
 
 
-def kv_identity(key: AdapterKey | None, load_serial: int | None) -> bytes:
-    """The root of a request's block chain: the base model, or its adapter's key and weights' load."""
-    fields = ["base"] if key is None else [
+def kv_identity(key: AdapterKey | None, load_serial: int | None, scope: CacheScope,
+                share_base_across_tenants: bool = False) -> bytes:
+    """The root of a request's block chain: its scope (tenant, salt), then the base model, or its
+    adapter's key and weights' load. With `share_base_across_tenants`, the base model's root names
+    no tenant, so every tenant's base-model requests (with the same salt, or none) share blocks."""
+    tenant = "" if key is None and share_base_across_tenants else scope.tenant
+    model = ["base"] if key is None else [
         "adapter", key.source, key.scope, key.credential, key.version, key.adapter_id, load_serial]
-    return hashlib.sha256(json.dumps(fields).encode()).digest()
+    return hashlib.sha256(json.dumps([tenant, scope.salt, *model]).encode()).digest()
 
 
 def extend_block_hashes(hashes: list[bytes], identity: bytes, token_ids: Sequence[int], num_blocks: int,

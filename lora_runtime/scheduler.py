@@ -115,7 +115,8 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
                  adapter_pages: AdapterPagePool | None = None,
-                 identity_of: Callable[[Request], bytes] = lambda request: kv_identity(request.adapter_key, None)) -> None:
+                 identity_of: Callable[[Request], bytes] = lambda request: kv_identity(
+                     request.adapter_key, None, request.cache_scope)) -> None:
         """`identity_of`: the root of a request's block chain for prefix caching (the engine's
         includes the load of the adapter's weights)."""
         self.config = config

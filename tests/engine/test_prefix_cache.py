@@ -12,12 +12,14 @@ import pytest
 from lora_runtime import Engine, SamplingParams
 from lora_runtime.adapters.refs import AdapterKey, AdapterRequest, Caller, parse_adapter_ref
 from lora_runtime.config import KVCacheConfig
+from lora_runtime.core import CacheScope
 from lora_runtime.kv_cache import KVCacheManager
 from lora_runtime.prefix_cache import extend_block_hashes, kv_identity
 
 DEMO = Path(__file__).resolve().parents[2] / "demo_adapters"
 SYSTEM = {name: f"You answer for the {name} desk of ACME. " + "Policies apply to every answer. " * 40
           for name in ("base", "french", "shout")}
+NO_SCOPE = CacheScope()  # the library's one caller
 PARAMS = SamplingParams(max_new_tokens=6, apply_chat_template=True, ignore_eos_token=True)
 
 
@@ -45,7 +47,7 @@ def test_released_blocks_stay_cached_until_free_blocks_run_out_then_oldest_first
     manager = KVCacheManager(num_blocks=4, block_size_tokens=2, enable_prefix_caching=True)
     hashes = {name: [] for name in "ab"}
     for name, tokens in (("a", [1, 2, 3, 4]), ("b", [5, 6, 7, 8])):
-        extend_block_hashes(hashes[name], kv_identity(None, None), tokens, 2, 2)
+        extend_block_hashes(hashes[name], kv_identity(None, None, NO_SCOPE), tokens, 2, 2)
         assert manager.allocate_slots(name, 4)
         manager.register_full_blocks(name, hashes[name])
         manager.free(name)
@@ -62,7 +64,7 @@ def test_released_blocks_stay_cached_until_free_blocks_run_out_then_oldest_first
 def test_a_shared_cached_block_returns_to_the_cache_only_when_its_last_holder_leaves() -> None:
     manager = KVCacheManager(num_blocks=2, block_size_tokens=2, enable_prefix_caching=True)
     chain: list[bytes] = []
-    extend_block_hashes(chain, kv_identity(None, None), [1, 2], 1, 2)
+    extend_block_hashes(chain, kv_identity(None, None, NO_SCOPE), [1, 2], 1, 2)
     assert manager.allocate_slots("first", 2)
     manager.register_full_blocks("first", chain)
     assert manager.match_prefix("second", chain, 3) == 1
@@ -82,10 +84,11 @@ def test_a_shared_cached_block_returns_to_the_cache_only_when_its_last_holder_le
 ], ids=["tenant", "credential", "version", "adapter", "source", "base"])
 def test_every_field_of_the_adapter_identity_roots_its_own_chain(other: AdapterKey | None) -> None:
     key = AdapterKey("local", "tenant-a", "", "", "x")
-    assert kv_identity(key, 1) != kv_identity(other, 1)
-    assert kv_identity(key, 1) != kv_identity(key, 2)  # the adapter's weights loaded again
+    assert kv_identity(key, 1, NO_SCOPE) != kv_identity(other, 1, NO_SCOPE)
+    assert kv_identity(key, 1, NO_SCOPE) != kv_identity(key, 2, NO_SCOPE)  # the adapter's weights loaded again
     # Names that would concatenate alike stay apart (the identity is encoded, not joined).
-    assert kv_identity(AdapterKey("local", "a", "", "", "b/c"), 1) != kv_identity(AdapterKey("local", "a/b", "", "", "c"), 1)
+    assert (kv_identity(AdapterKey("local", "a", "", "", "b/c"), 1, NO_SCOPE)
+            != kv_identity(AdapterKey("local", "a/b", "", "", "c"), 1, NO_SCOPE))
 
 
 # The engine.

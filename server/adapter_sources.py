@@ -29,6 +29,7 @@ from server.registry.models import RegistryBase
 from server.registry.service import AdapterRegistry
 from server.registry.signing import UrlSigner
 from server.registry.source import PbaseResolver, version_to_serve
+from server.registry.upload_bounds import StagingLedger, weights_max_bytes
 from server.registry.uploads import UploadConfig, UploadService
 
 
@@ -105,6 +106,8 @@ class AdapterServices:
 
     registry: AdapterRegistry
     signer: UrlSigner
+    weights_max_bytes: int  # of one uploaded weights file: the served model's (upload_bounds.weights_max_bytes)
+    staging: StagingLedger = dataclasses.field(default_factory=StagingLedger)  # PUTs in flight, server-wide
 
     def with_current_versions(self, request: AdapterRequest | None) -> AdapterRequest | None:
         """`request` keyed by the blob ids of the pbase versions it names, read now: a deleted or
@@ -123,8 +126,12 @@ class AdapterServices:
         """The upload service, its URLs starting with `config.public_url`, else `base_url`."""
         upload_config = UploadConfig(public_base_url=config.public_url or base_url,
                                      url_ttl_s=config.upload_url_ttl_s,
-                                     max_upload_bytes=config.max_upload_bytes)
-        return UploadService(self.registry, self.signer, upload_config)
+                                     max_upload_bytes=config.max_upload_bytes,
+                                     max_upload_files=config.max_upload_files,
+                                     max_open_uploads=config.max_open_uploads,
+                                     max_staged_upload_bytes=config.max_staged_upload_bytes,
+                                     weights_max_bytes=self.weights_max_bytes)
+        return UploadService(self.registry, self.signer, upload_config, self.staging)
 
 
 def _pbase_refs(adapter: AdapterRef | MergedAdapters) -> list[AdapterRef]:
@@ -142,5 +149,6 @@ def adapter_services(config: ServerConfig, database: Database, engine: EngineInf
     def validate(directory: Path) -> None:
         load_peft_adapter(directory, engine.adapter_shape, engine.adapter_limits)
 
-    registry = AdapterRegistry(database.sessions, registry_blobs(config), validate)
-    return AdapterServices(registry, UrlSigner(secrets.token_bytes(32)))
+    registry = AdapterRegistry(database.sessions, registry_blobs(config), validate, config.max_upload_checkpoints)
+    return AdapterServices(registry, UrlSigner(secrets.token_bytes(32)),
+                           weights_max_bytes(engine.adapter_shape, engine.adapter_limits))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import socket
@@ -25,6 +26,7 @@ from server.openai_api import routes as openai_routes
 from server.openai_api.protocol import ChatCompletionRequest, CompletionRequest, OpenAIErrorResponse
 from server.protocol import (CompatRequest, ErrorResponse, GenerateRequest, GenerateResponse,
                              StreamResponse)
+from server.registry.sweeper import sweep_uploads_periodically
 from server.registry.uploads import UPLOAD_ROUTE
 from server.routes import control, inference, registry, service
 from server.routes.docs import install_offline_docs
@@ -69,9 +71,14 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     if state.config.metrics_port is not None:
         state.metrics_listener = MetricsListener(state.metrics, state.config.host, state.config.metrics_port)
         state.metrics_listener.start()
+    sweeper = asyncio.create_task(
+        sweep_uploads_periodically(state.adapters.registry, state.config.upload_sweep_interval_s))
     try:
         yield
     finally:
+        sweeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sweeper
         await _drain(state)
         await state.async_engine.shutdown(0.0)
         if state.metrics_listener is not None:

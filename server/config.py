@@ -46,8 +46,13 @@ class ServerConfig:
     adapter_dir: Path | None = None
     registry_bucket: str | None = None
     public_url: str | None = None
-    max_upload_bytes: int = 2 * 1024**3
+    max_upload_bytes: int = 2 * 1024**3  # the files of one upload together
     upload_url_ttl_s: int = 3600
+    max_upload_files: int = 256  # files one upload may name
+    max_upload_checkpoints: int = 32  # checkpoint folders of one version (server.registry.layout's default)
+    max_open_uploads: int = 8  # per tenant: started, neither finished nor expired (past it: 429)
+    max_staged_upload_bytes: int = 4 * 1024**3  # per tenant: the files of its unfinished uploads (413)
+    upload_sweep_interval_s: float = 600.0  # how often expired uploads' staged files are deleted
     demo_adapters_dir: Path | None = DEFAULT_DEMO_ADAPTERS_DIR
     metrics_tenant: str | None = None
     metrics_max_adapters: int = 100
@@ -61,6 +66,10 @@ class ServerConfig:
             raise ValueError("max_body_bytes must be >= 1")
         if self.metrics_max_adapters < 0:
             raise ValueError("metrics_max_adapters must be >= 0")
+        upload_bounds = (self.max_upload_bytes, self.max_upload_files, self.max_open_uploads,
+                         self.max_staged_upload_bytes, self.upload_sweep_interval_s)
+        if min(upload_bounds) <= 0 or self.max_upload_checkpoints < 0:
+            raise ValueError("upload bounds and the sweep interval must be > 0 (checkpoints >= 0)")
 
     @property
     def resolved_database_url(self) -> str:

@@ -71,7 +71,18 @@ def add_service_options(parser: argparse.ArgumentParser) -> None:
                           help="keep registry blobs in this S3 bucket (default: DIR/blobs)")
     adapters.add_argument("--public-url", default=None,
                           help="base URL of signed upload URLs (default: the URL the client used)")
-    adapters.add_argument("--max-upload-bytes", type=int, default=_DEFAULTS.max_upload_bytes)
+    adapters.add_argument("--max-upload-bytes", type=int, default=_DEFAULTS.max_upload_bytes,
+                          help="bytes of the files of one upload together (default: 2 GiB)")
+    adapters.add_argument("--max-upload-files", type=int, default=_DEFAULTS.max_upload_files,
+                          help="files one upload may name, checkpoint files included")
+    adapters.add_argument("--max-upload-checkpoints", type=int, default=_DEFAULTS.max_upload_checkpoints,
+                          help="checkpoint-N folders of one uploaded version")
+    adapters.add_argument("--max-open-uploads", type=int, default=_DEFAULTS.max_open_uploads,
+                          help="uploads each tenant may have started and not finished (past it: 429)")
+    adapters.add_argument("--max-staged-upload-bytes", type=int, default=_DEFAULTS.max_staged_upload_bytes,
+                          help="bytes each tenant's unfinished uploads may stage (past it: 413; default: 4 GiB)")
+    adapters.add_argument("--upload-sweep-interval", type=float, default=_DEFAULTS.upload_sweep_interval_s,
+                          help="seconds between sweeps deleting expired uploads' staged files (also at start)")
     adapters.add_argument("--adapter-pool-mib", type=int, default=None,
                           help="memory of the device pages adapters are served from, which bounds the adapters "
                                "resident at once (default: AdapterConfig's, 1024)")
@@ -93,7 +104,11 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         hub_endpoint=args.hub_endpoint, s3_endpoint=args.s3_endpoint,
                         s3_region=args.s3_region, adapter_dir=args.adapter_dir,
                         registry_bucket=args.registry_bucket, public_url=args.public_url,
-                        max_upload_bytes=args.max_upload_bytes,
+                        max_upload_bytes=args.max_upload_bytes, max_upload_files=args.max_upload_files,
+                        max_upload_checkpoints=args.max_upload_checkpoints,
+                        max_open_uploads=args.max_open_uploads,
+                        max_staged_upload_bytes=args.max_staged_upload_bytes,
+                        upload_sweep_interval_s=args.upload_sweep_interval,
                         demo_adapters_dir=args.demo_adapters, metrics_tenant=args.metrics_tenant,
                         metrics_max_adapters=args.metrics_max_adapters, metrics_port=args.metrics_port)
 

@@ -16,7 +16,7 @@ from typing import Any, BinaryIO
 
 from lora_runtime.adapters.sources.download import copy_bounded
 from lora_runtime.adapters.sources.s3 import S3Config, make_s3_client
-from server.registry.errors import PayloadTooLargeError
+from server.registry.errors import ByteBound
 
 _KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(?:/[A-Za-z0-9][A-Za-z0-9._-]*)*")
 
@@ -28,8 +28,8 @@ def check_key(key: str) -> str:
     return key
 
 
-def _copy_upload(source: BinaryIO, out: BinaryIO, max_bytes: int) -> int:
-    return copy_bounded(source, out, max_bytes, lambda: PayloadTooLargeError(f"upload is larger than {max_bytes} bytes"))
+def _copy_upload(source: BinaryIO, out: BinaryIO, bound: ByteBound) -> int:
+    return copy_bounded(source, out, bound.max_bytes, bound.error)
 
 
 class BlobStore(abc.ABC):
@@ -37,12 +37,17 @@ class BlobStore(abc.ABC):
     def put_file(self, key: str, path: Path) -> None: ...
 
     @abc.abstractmethod
-    def put_stream(self, key: str, stream: BinaryIO, max_bytes: int) -> int:
-        """Stores a stream (an upload body) of at most `max_bytes`; returns its size."""
+    def put_stream(self, key: str, stream: BinaryIO, bound: ByteBound) -> int:
+        """Stores a stream (an upload body) within `bound` (refused as it passes it); returns its size."""
 
     @abc.abstractmethod
     def list(self, prefix: str) -> dict[str, int]:
         """Every key under `prefix/`, recursively, relative to it, with its size in bytes."""
+
+    @abc.abstractmethod
+    def child_names(self, prefix: str) -> set[str]:
+        """The first path part of every key under `prefix/` (the upload ids under `uploads`), also
+        of keys that a write in progress or an interrupted one left (they are disk too)."""
 
     @abc.abstractmethod
     def get_file(self, key: str, path: Path) -> None: ...
@@ -68,15 +73,16 @@ class LocalBlobStore(BlobStore):
 
     def put_file(self, key: str, path: Path) -> None:
         with open(path, "rb") as source:
-            self.put_stream(key, source, max_bytes=path.stat().st_size)
+            size = path.stat().st_size
+            self.put_stream(key, source, ByteBound(size, f"{key} grew past {size} bytes while stored"))
 
-    def put_stream(self, key: str, stream: BinaryIO, max_bytes: int) -> int:
+    def put_stream(self, key: str, stream: BinaryIO, bound: ByteBound) -> int:
         target = self._path(key)
         target.parent.mkdir(parents=True, exist_ok=True)
         # Write aside then rename: a reader never sees half a file, a failed upload leaves nothing.
         with tempfile.NamedTemporaryFile(dir=target.parent, prefix=".incoming-", delete=False) as out:
             try:
-                size = _copy_upload(stream, out, max_bytes)
+                size = _copy_upload(stream, out, bound)
             except BaseException:
                 os.unlink(out.name)
                 raise
@@ -92,6 +98,10 @@ class LocalBlobStore(BlobStore):
             for p in base.rglob("*")
             if p.is_file() and not p.name.startswith(".incoming-")
         }
+
+    def child_names(self, prefix: str) -> set[str]:
+        base = self._path(prefix)
+        return {entry.name for entry in base.iterdir()} if base.is_dir() else set()
 
     def get_file(self, key: str, path: Path) -> None:
         shutil.copyfile(self._path(key), path)
@@ -114,9 +124,9 @@ class S3BlobStore(BlobStore):
     def put_file(self, key: str, path: Path) -> None:
         self._client.upload_file(str(path), self.bucket, self._key(key))
 
-    def put_stream(self, key: str, stream: BinaryIO, max_bytes: int) -> int:
+    def put_stream(self, key: str, stream: BinaryIO, bound: ByteBound) -> int:
         with tempfile.TemporaryFile() as spool:
-            size = _copy_upload(stream, spool, max_bytes)
+            size = _copy_upload(stream, spool, bound)
             spool.seek(0)
             self._client.upload_fileobj(spool, self.bucket, self._key(key))
         return size
@@ -125,6 +135,13 @@ class S3BlobStore(BlobStore):
         full = f"{self._key(prefix)}/"
         pages = self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full)
         return {obj["Key"][len(full) :]: int(obj["Size"]) for page in pages for obj in page.get("Contents", [])}
+
+    def child_names(self, prefix: str) -> set[str]:
+        full = f"{self._key(prefix)}/"
+        paginator = self._client.get_paginator("list_objects_v2")
+        pages = list(paginator.paginate(Bucket=self.bucket, Prefix=full, Delimiter="/"))
+        names = {common["Prefix"][len(full) :].rstrip("/") for page in pages for common in page.get("CommonPrefixes", [])}
+        return names | {obj["Key"][len(full) :] for page in pages for obj in page.get("Contents", [])}
 
     def get_file(self, key: str, path: Path) -> None:
         self._client.download_file(self.bucket, self._key(key), str(path))

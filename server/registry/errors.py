@@ -3,6 +3,8 @@ the server maps them to docs/api.md section 6 bodies the same way as engine erro
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from lora_runtime.errors import EngineError
 
 
@@ -43,3 +45,22 @@ class UploadSignatureError(RegistryError):
 class PayloadTooLargeError(RegistryError):
     error_type = "payload_too_large"
     status_code = 413
+
+
+class TooManyUploadsError(RegistryError):
+    """The tenant already has as many upload sessions open as the server allows."""
+
+    error_type = "too_many_uploads"
+    status_code = 429
+
+
+@dataclass(frozen=True, slots=True)
+class ByteBound:
+    """At most `max_bytes` may arrive; past them the refusal is a 413 whose message is `refusal`
+    (which bound it was, so a client knows what to change)."""
+
+    max_bytes: int
+    refusal: str
+
+    def error(self) -> PayloadTooLargeError:
+        return PayloadTooLargeError(self.refusal)

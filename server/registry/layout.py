@@ -23,7 +23,8 @@ from lora_runtime.errors import AdapterInvalidError, ValidationError
 
 CHECKPOINT_DIR = re.compile(r"checkpoint-([0-9]{1,9})")
 UPLOAD_NAME = re.compile(r"(?:checkpoint-[0-9]{1,9}/)?[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-MAX_CHECKPOINTS = 64
+# Checkpoint folders of one version, unless the registry is given another bound (--max-upload-checkpoints).
+MAX_CHECKPOINTS = 32
 
 # Checks one adapter directory; raises AdapterInvalidError / AdapterIncompatibleError when it is bad.
 AdapterValidator = Callable[[Path], object]
@@ -43,14 +44,14 @@ def check_upload_name(name: str) -> str:
     return name
 
 
-def read_layout(directory: Path, validate: AdapterValidator) -> AdapterLayout:
+def read_layout(directory: Path, validate: AdapterValidator, max_checkpoints: int = MAX_CHECKPOINTS) -> AdapterLayout:
     """Normalizes (bin -> safetensors) and validates every adapter in `directory`.
 
     Raises:
         AdapterInvalidError: unexpected entries, no adapter, a pickle that is not plain tensors, or
             whatever `validate` raises for one of the adapters.
     """
-    checkpoints = _checkpoint_dirs(directory)
+    checkpoints = _checkpoint_dirs(directory, max_checkpoints)
     has_main = (directory / ADAPTER_CONFIG_FILE).is_file()
     if not has_main and not checkpoints:
         raise AdapterInvalidError(f"the upload has no {ADAPTER_CONFIG_FILE}")
@@ -61,7 +62,7 @@ def read_layout(directory: Path, validate: AdapterValidator) -> AdapterLayout:
     return AdapterLayout(main=main, checkpoints=checkpoints, base_model=_base_model(main))
 
 
-def _checkpoint_dirs(directory: Path) -> dict[int, Path]:
+def _checkpoint_dirs(directory: Path, max_checkpoints: int) -> dict[int, Path]:
     checkpoints: dict[int, Path] = {}
     for entry in directory.iterdir():
         match = CHECKPOINT_DIR.fullmatch(entry.name)
@@ -69,8 +70,8 @@ def _checkpoint_dirs(directory: Path) -> dict[int, Path]:
             checkpoints[int(match[1])] = entry
         elif entry.name not in ADAPTER_FILES or not entry.is_file() or entry.is_symlink():
             raise AdapterInvalidError(f"unexpected entry in the upload: {entry.name!r}")
-    if len(checkpoints) > MAX_CHECKPOINTS:
-        raise AdapterInvalidError(f"more than {MAX_CHECKPOINTS} checkpoints")
+    if len(checkpoints) > max_checkpoints:
+        raise AdapterInvalidError(f"more than {max_checkpoints} checkpoints")
     return checkpoints
 
 

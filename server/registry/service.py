@@ -12,7 +12,7 @@ from pathlib import Path
 
 from server.registry import repos
 from server.registry.blobs import BlobStore
-from server.registry.layout import AdapterValidator, read_layout
+from server.registry.layout import MAX_CHECKPOINTS, AdapterValidator, read_layout
 from server.registry.models import new_uuid
 from server.registry.repos import RepoInfo, SessionFactory, VersionInfo
 
@@ -28,6 +28,7 @@ class AdapterRegistry:
     sessions: SessionFactory
     blobs: BlobStore
     validate: AdapterValidator  # the adapter loader's validation: raises on a bad or incompatible adapter
+    max_checkpoints: int = MAX_CHECKPOINTS  # checkpoint folders of one version
 
     def create_version(
         self, tenant_id: str, created_by: str, repo: str, directory: Path, description: str = ""
@@ -38,7 +39,7 @@ class AdapterRegistry:
         before anything is stored or recorded; the repo is created if missing.
         """
         repos.check_repo_name(repo)
-        layout = read_layout(directory, self.validate)
+        layout = read_layout(directory, self.validate, self.max_checkpoints)
         blob_id = new_uuid()
         try:
             self._store_adapter(layout.main, version_prefix(blob_id))

@@ -18,7 +18,7 @@ from starlette.concurrency import run_in_threadpool
 
 from server.auth import authenticate
 from server.body import read_model
-from server.errors import payload_too_large
+from server.registry.errors import ByteBound
 from server.registry.uploads import UPLOAD_ROUTE
 from server.routes.openapi import error_responses
 from server.state import ServerState, server_state
@@ -123,7 +123,7 @@ async def delete_version(request: Request, repo: str, tag: Tag) -> Response:
     return JSONResponse({})
 
 
-@router.post("/v2/adapters/upload", **_doc(401, body=StartUpload))
+@router.post("/v2/adapters/upload", **_doc(401, 429, body=StartUpload))
 async def start_upload(request: Request) -> JSONResponse:
     """Step 1: signed URLs for the files, and the token that finishes the upload."""
     state, tenant = await _caller(request)
@@ -134,31 +134,35 @@ async def start_upload(request: Request) -> JSONResponse:
     return JSONResponse(started.to_api())
 
 
-@router.put(UPLOAD_ROUTE + "/{upload_id}/{name:path}", **_doc(403, 413, 422))
+@router.put(UPLOAD_ROUTE + "/{upload_id}/{name:path}", **_doc(403, 404, 413, 422))
 async def receive_upload_file(request: Request, upload_id: str, name: str, expires: str = "",
                               signature: str = "") -> Response:
-    """Step 2: the raw bytes of one file, to a signed URL (no Authorization header)."""
+    """Step 2: the raw bytes of one file, to a signed URL (no Authorization header). Refused before
+    the body is read (bad URL, finished or expired upload), else as the body passes its bound."""
     state = server_state(request)
     uploads = state.adapters.uploads(state.config, str(request.base_url))
-    uploads.verify_upload_url(upload_id, name, expires, signature)
-    with await _spooled_body(request, state.config.max_upload_bytes) as spool:
-        await run_in_threadpool(uploads.receive_file, upload_id, name, expires, signature, spool)
+    admission = await run_in_threadpool(uploads.admit_file, upload_id, name, expires, signature)
+    try:
+        with await _spooled_body(request, admission.bound) as spool:
+            await run_in_threadpool(uploads.store_file, admission, spool)
+    finally:
+        uploads.release(admission)
     return Response(status_code=200)
 
 
-async def _spooled_body(request: Request, limit_bytes: int) -> tempfile.SpooledTemporaryFile:
-    """The body, rewound, in memory or (past `_SPOOL_BYTES`) a temporary file; 413 past the limit,
-    at once when Content-Length says so."""
+async def _spooled_body(request: Request, bound: ByteBound) -> tempfile.SpooledTemporaryFile:
+    """The body, rewound, in memory or (past `_SPOOL_BYTES`) a temporary file; 413 naming the bound
+    as soon as the body passes it, at once when Content-Length says so."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit_bytes:
-        raise payload_too_large(limit_bytes)
+    if declared is not None and declared.isdigit() and int(declared) > bound.max_bytes:
+        raise bound.error()
     spool = tempfile.SpooledTemporaryFile(max_size=_SPOOL_BYTES)
     size = 0
     try:
         async for chunk in request.stream():
             size += len(chunk)
-            if size > limit_bytes:
-                raise payload_too_large(limit_bytes)
+            if size > bound.max_bytes:
+                raise bound.error()
             spool.write(chunk)
     except BaseException:
         spool.close()

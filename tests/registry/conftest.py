@@ -100,4 +100,8 @@ def put_via_url(uploads: UploadService, url: str, data: bytes) -> int:
     parts = urlsplit(url)
     query = parse_qs(parts.query)
     upload_id, name = parts.path.removeprefix(UPLOAD_ROUTE + "/").split("/", 1)
-    return uploads.receive_file(upload_id, name, query["expires"][0], query["signature"][0], io.BytesIO(data))
+    admission = uploads.admit_file(upload_id, name, query["expires"][0], query["signature"][0])
+    try:
+        return uploads.store_file(admission, io.BytesIO(data))
+    finally:
+        uploads.release(admission)

@@ -36,7 +36,7 @@ def _requests(tenant: str) -> list[AdapterRequest]:
 def test_an_archived_version_is_not_served_until_unarchived(
     registry: AdapterRegistry, resolver: PbaseResolver, peft_dirs: dict[str, Path], tmp_path: Path
 ) -> None:
-    services = AdapterServices(registry, UrlSigner(b"s" * 32))
+    services = AdapterServices(registry, UrlSigner(b"s" * 32), weights_max_bytes=1 << 20)
     first = registry.create_version("t1", "alice", "news", _upload_dir(peft_dirs["a"], tmp_path / "v1"))
     registry.create_version("t1", "alice", "news", _upload_dir(peft_dirs["b"], tmp_path / "v2"))
     assert resolve_in(resolver, "t1", "news/1").is_dir()

@@ -8,7 +8,7 @@ from typing import Protocol
 
 from lora_runtime.adapters.refs import AdapterRequest
 from lora_runtime.async_engine import EngineStats
-from lora_runtime.core import RequestOutput, SamplingParams
+from lora_runtime.core import CacheScope, RequestOutput, SamplingParams
 from lora_runtime.engine_info import EngineInfo
 
 
@@ -38,9 +38,11 @@ class EngineBackend(Protocol):
     async def shutdown(self, deadline_s: float = 10.0) -> None: ...
 
     async def add_request(self, prompt: str | list[int], params: SamplingParams,
-                          adapter: AdapterRequest | None = None, final_only: bool = False) -> EngineStream:
+                          adapter: AdapterRequest | None = None, final_only: bool = False,
+                          cache_scope: CacheScope = CacheScope()) -> EngineStream:
         """Validate and queue; validation and adapter failures raise EngineError here. With
-        `final_only` the stream yields the finished output alone (a whole answer needs no more)."""
+        `final_only` the stream yields the finished output alone (a whole answer needs no more).
+        `cache_scope`: whose cached prompt blocks the request may reuse (`Engine.add_request`)."""
 
     def stats(self) -> EngineStats:
         """Safe from any thread; a cluster's are its replicas' summed, as last published."""

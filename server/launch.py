@@ -46,6 +46,10 @@ def add_service_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="compute every prompt in full instead of reusing the K/V of a cached prefix")
+    parser.add_argument("--share-base-prefix-cache", action="store_true",
+                        help="share the base model's cached prompt blocks across tenants (default: each "
+                             "tenant's own); only for tenants that trust each other: any tenant can then "
+                             "tell, from cached_tokens or timing, whether another sent a given prefix")
     parser.add_argument("--max-in-flight", type=int, default=_DEFAULTS.max_in_flight)
     parser.add_argument("--max-body-bytes", type=int, default=_DEFAULTS.max_body_bytes)
     parser.add_argument("--shutdown-deadline", type=float, default=_DEFAULTS.shutdown_deadline_s)
@@ -122,7 +126,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     memory = (("device_pool_bytes", args.adapter_pool_mib), ("host_cache_bytes", args.adapter_host_cache_mib))
     adapter_memory = {key: mib * 2**20 for key, mib in memory if mib is not None}
     adapter_config = AdapterConfig(**adapter_memory, allow_local_paths=False)
-    kv_cache = KVCacheConfig(enable_prefix_caching=not args.no_prefix_caching)
+    kv_cache = KVCacheConfig(enable_prefix_caching=not args.no_prefix_caching,
+                             share_base_prefix_cache=args.share_base_prefix_cache)
     return EngineConfig(**engine_options, adapters=adapter_config, kv_cache=kv_cache)
 
 

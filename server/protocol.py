@@ -70,6 +70,8 @@ class GenerateParameters(_Request):
     response_format: ResponseFormat | None = None
     grammar: Grammar | None = None
     apply_chat_template: bool | None = None
+    # Roots the request's prefix-cache blocks at this secret (vLLM's name): 1..256 characters.
+    cache_salt: str | None = None
     # TGI's `top_tokens` in details and stream events; LoRAX's `alternative_tokens` on each token.
     top_n_tokens: int | None = None
     return_k_alternatives: int | None = None

@@ -20,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from lora_runtime.adapters.refs import AdapterRequest
-from lora_runtime.core import RequestOutput, SamplingParams
+from lora_runtime.core import CacheScope, RequestOutput, SamplingParams
 from lora_runtime.errors import EngineError
 from server.bridge import final_output
 from server.engine_backend import EngineStream
@@ -56,6 +56,7 @@ class EngineCall:
     prompt: str | list[int]
     params: SamplingParams
     adapter: AdapterRequest | None
+    cache_scope: CacheScope  # the caller's tenant and cache_salt: whose cached prompt blocks it may reuse
     is_stream: bool
     answer: Answer
     identity: dict[str, str]  # x-model-id, x-adapter-id, x-adapter-source (+ x-replica-id in a cluster)
@@ -81,7 +82,8 @@ async def serve(request: Request, state: ServerState, call: EngineCall, received
         is_owned_by_response = False
         try:
             stream = await state.async_engine.add_request(call.prompt, call.params, adapter=adapter,
-                                                          final_only=not call.is_stream)
+                                                          final_only=not call.is_stream,
+                                                          cache_scope=call.cache_scope)
             if stream.replica_id is not None:
                 call = dataclasses.replace(call, identity={**call.identity, "x-replica-id": stream.replica_id})
             timing = Timing(received, time.monotonic())

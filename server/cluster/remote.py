@@ -2,7 +2,9 @@
 
 A request goes to a replica through Ray Serve's handle with its adapter's multiplexed model id, so
 Serve's router sends it where that adapter was served before (base-model requests: the less loaded
-of two replicas, Serve's default). The replica answers `Accepted` or `Failed` first, so that
+of two replicas, Serve's default). The request's `CacheScope` (tenant, cache_salt) travels with it,
+so a replica reuses cached prompt blocks within that scope only; routing needs no part of it (an
+adapter's model id already names its tenant, and a salt only narrows reuse). The replica answers `Accepted` or `Failed` first, so that
 validation and adapter errors keep their status; outputs follow. Ray's failures become the
 service's: every replica full past the router's queue -> 429; a replica that died or cannot be
 reached -> 503 before the first byte, an error event after it.
@@ -22,7 +24,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from lora_runtime.adapters.refs import AdapterRequest
 from lora_runtime.async_engine import EngineStats
-from lora_runtime.core import RequestOutput, SamplingParams
+from lora_runtime.core import CacheScope, RequestOutput, SamplingParams
 from lora_runtime.engine_info import EngineInfo
 from lora_runtime.errors import EngineError
 from server.cluster.wire import Accepted, Failed, ReplicaReport, adapter_model_id
@@ -140,13 +142,14 @@ class RemoteEngine:
                 await self._poller
 
     async def add_request(self, prompt: str | list[int], params: SamplingParams,
-                          adapter: AdapterRequest | None = None, final_only: bool = False) -> RemoteStream:
+                          adapter: AdapterRequest | None = None, final_only: bool = False,
+                          cache_scope: CacheScope = CacheScope()) -> RemoteStream:
         """With `final_only`, the replica sends the finished output alone: one Ray item, not one a
         token (the ingress then cannot count the tokens of a request its client left)."""
         model_id = adapter_model_id(adapter.key) if adapter is not None else ""
         handle = self._engine.options(stream=True, multiplexed_model_id=model_id)
         with _service_errors():
-            response = handle.generate.remote(prompt, params, adapter, final_only)
+            response = handle.generate.remote(prompt, params, adapter, cache_scope, final_only)
         try:
             first = await _next_item(response)
         except StopAsyncIteration:

@@ -22,7 +22,7 @@ from ray.serve.handle import DeploymentHandle
 
 from lora_runtime import AsyncEngine, Engine, EngineConfig
 from lora_runtime.adapters.refs import AdapterRequest
-from lora_runtime.core import RequestOutput, SamplingParams
+from lora_runtime.core import CacheScope, RequestOutput, SamplingParams
 from lora_runtime.engine_info import EngineInfo
 from lora_runtime.errors import EngineError, RequestAbortedError
 from server.adapter_sources import engine_adapter_sources
@@ -57,7 +57,7 @@ class EngineReplica:
         return self._engine.info
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, adapter: AdapterRequest | None,
-                       final_only: bool) -> AsyncIterator[Accepted | Failed | RequestOutput]:
+                       cache_scope: CacheScope, final_only: bool) -> AsyncIterator[Accepted | Failed | RequestOutput]:
         """`Accepted` or `Failed`, then the request's outputs (the finished one alone with
         `final_only`); a `Failed` ends it. Cancelled by the ingress (its client left), the request
         is aborted in the engine."""
@@ -65,7 +65,8 @@ class EngineReplica:
         if model_id:
             await self._note_adapter(model_id)
         try:
-            stream = await self._engine.add_request(prompt, params, adapter=adapter, final_only=final_only)
+            stream = await self._engine.add_request(prompt, params, adapter=adapter, final_only=final_only,
+                                                    cache_scope=cache_scope)
         except EngineError as error:
             yield Failed(error)
             return

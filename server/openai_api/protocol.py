@@ -4,7 +4,8 @@ Every field OpenAI's API defines is declared, so that none is silently dropped: 
 map onto the engine (`server.openai_api.params`), the few that are ignored by design say so here,
 and the ones this server cannot honour are refused by name unless sent with their neutral value.
 Unknown fields are ignored, as on the TGI routes. Extra fields our peers accept too: `top_k`,
-`repetition_penalty`, and our adapter fields `adapter_source` and `api_token` (the hub token).
+`repetition_penalty`, `cache_salt` (vLLM's: the request's prefix-cache blocks are reused only by
+requests with the same salt), and our adapter fields `adapter_source` and `api_token` (the hub token).
 """
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ class _Sampling(_Body):
     # Extensions.
     top_k: int | None = None
     repetition_penalty: float | None = None
+    cache_salt: str | None = None
     adapter_source: str | None = None
     api_token: str | None = None
 

@@ -15,6 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
+from lora_runtime.core import CacheScope
 from lora_runtime.errors import EngineError, ValidationError
 from server.auth import authorize_tenant
 from server.body import read_model
@@ -134,7 +135,7 @@ def _chat_call(body: ChatCompletionRequest, state: ServerState, deployment: Depl
     answer = ChatAnswer(_model_name(body, deployment), params, params.best_of, _include_usage(body),
                         logprobs=bool(body.logprobs))
     return EngineCall(prompt=chat_inputs(body.messages), params=params, adapter=adapter,
-                      is_stream=bool(body.stream), answer=answer,
+                      cache_scope=CacheScope(tenant, body.cache_salt), is_stream=bool(body.stream), answer=answer,
                       identity={"x-model-id": deployment.base_model, **adapter_headers})
 
 
@@ -148,8 +149,9 @@ def _completion_call(body: CompletionRequest, state: ServerState, deployment: De
         echo_text = prompt if isinstance(prompt, str) else state.engine_info.tokenizer.decode(prompt)
     answer = CompletionAnswer(_model_name(body, deployment), params, body.n or 1, _include_usage(body),
                               logprobs=body.logprobs, echo_text=echo_text)
-    return EngineCall(prompt=prompt, params=params, adapter=adapter, is_stream=bool(body.stream),
-                      answer=answer, identity={"x-model-id": deployment.base_model, **adapter_headers})
+    return EngineCall(prompt=prompt, params=params, adapter=adapter, cache_scope=CacheScope(tenant, body.cache_salt),
+                      is_stream=bool(body.stream), answer=answer,
+                      identity={"x-model-id": deployment.base_model, **adapter_headers})
 
 
 def _model_name(body: Body, deployment: Deployment) -> str:

@@ -12,6 +12,7 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from lora_runtime.core import CacheScope
 from lora_runtime.errors import EngineError, ValidationError
 from server.auth import authorize_tenant
 from server.body import read_model
@@ -85,5 +86,7 @@ def _engine_call(body: GenerateRequest, state: ServerState, scope: AdapterScope,
         raise ValidationError("inputs", "must not be empty")
     params = to_sampling_params(body.parameters, state.config, is_stream)
     answer = TgiAnswer(body.inputs, params, top_counts(body.parameters), as_array)
+    salt = body.parameters.cache_salt if body.parameters is not None else None
     return EngineCall(prompt=body.inputs, params=params, adapter=adapter_reference(body.parameters, scope),
-                      is_stream=is_stream, answer=answer, identity=identity)
+                      cache_scope=CacheScope(scope.tenant, salt), is_stream=is_stream, answer=answer,
+                      identity=identity)

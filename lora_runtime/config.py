@@ -11,6 +11,8 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 @dataclass(frozen=True, slots=True)
 class KVCacheConfig:
     """Paged KV cache capacity: `num_blocks` wins when given, else `memory_bytes` is divided into blocks.
+    On CUDA `memory_bytes` is not read: the cache takes what `gpu_memory_utilization` of the device
+    leaves once the weights and the adapter pool are placed (`lora_runtime/device_memory.py`).
 
     `enable_prefix_caching`: full blocks stay reusable after their request ends, found by a hash chain
     of their tokens and the adapter identity, so a request sharing a prefix with an earlier one (same
@@ -25,12 +27,14 @@ class KVCacheConfig:
     block_size_tokens: int = 16
     num_blocks: int | None = None
     memory_bytes: int = 512 * 1024 * 1024
+    gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     share_base_prefix_cache: bool = False
 
     def __post_init__(self) -> None:
         assert self.block_size_tokens > 0, "block_size_tokens must be positive"
         assert self.num_blocks is None or self.num_blocks > 0, "num_blocks must be positive"
+        assert 0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]"
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,7 @@ from lora_runtime.adapters.weights import BaseModelShape
 from lora_runtime.best_of import BestOfGroup
 from lora_runtime.config import EngineConfig
 from lora_runtime.dtypes import resolve_dtype
+from lora_runtime.device_memory import sized_for_device
 from lora_runtime.core import CacheScope, Request, RequestOutput, RequestStatus, SamplingParams
 from lora_runtime.embedded import EMBEDDED_MODEL_NAME, ensure_embedded_model
 from lora_runtime.engine_info import EngineInfo
@@ -53,6 +54,7 @@ class Engine:
         model_name: str,
         adapter_sources: dict[str, AdapterSource] | None = None,
     ) -> None:
+        config = sized_for_device(config)  # on CUDA the KV cache and adapter pool fill the free memory
         self.config = config
         self.model_name = model_name
         self.tokenizer = tokenizer

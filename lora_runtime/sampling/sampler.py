@@ -191,7 +191,16 @@ class Sampler:
                 token_ids[row] = torch.multinomial(row_probs, 1, generator=states[row].generator)[0]
         chosen = scores.gather(1, token_ids.to(scores.device)[:, None])[:, 0].float() - log_normaliser
         top = _top_of_rows(scores, log_normaliser, [state.params.top_logprobs for state in states])
-        return SampleResult(token_ids=token_ids.tolist(), logprobs=chosen.tolist(), top=top)
+        token_list, logprob_list = _read_tokens_and_logprobs(token_ids, chosen)
+        return SampleResult(token_ids=token_list, logprobs=logprob_list, top=top)
+
+
+def _read_tokens_and_logprobs(token_ids: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
+    """token_ids [num_rows] and logprobs [num_rows] float32 to the host in one read: on a GPU each
+    read waits for the device, and this is the one read a greedy step needs. Both fit float64 exactly
+    (ids < 2**53, float32 values)."""
+    ids, values = torch.stack([token_ids.to(logprobs.device, torch.float64), logprobs.double()]).tolist()
+    return [int(token_id) for token_id in ids], values
 
 
 def _top_of_rows(scores: torch.Tensor, log_normaliser: torch.Tensor, counts: Sequence[int]) -> list[TopPairs]:

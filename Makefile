@@ -31,8 +31,10 @@ install: $(BUILT)
 model: install
 	$(PY) -m lora_runtime.embedded
 
+# `make serve PORT=9000 DATA=/srv/lora` picks the port and data directory; ARGS passes any other
+# option of `python -m server --help`. Unset, the server's own defaults (8080, .data).
 serve: model
-	$(PY) -m server
+	$(PY) -m server $(if $(PORT),--port $(PORT)) $(if $(DATA),--data-dir "$(DATA)") $(ARGS)
 
 test: model
 	bash scripts/ensure_postgres.sh

@@ -119,3 +119,44 @@ def visible_deployments(database: Database, tenant: str) -> list[Deployment]:
         rows = session.scalars(select(DeploymentRow).order_by(DeploymentRow.name))
         return [Deployment(r.name, r.tenant, r.base_model) for r in rows
                 if r.tenant is None or r.tenant == tenant]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenInfo:
+    """What is kept of a token: never the secret, only its id, tenant and creation time."""
+
+    id: int
+    tenant: str
+    created_at: datetime
+
+
+def list_tokens(database: Database, tenant: str | None = None) -> list[TokenInfo]:
+    """The tokens of `tenant` (every tenant's when None), oldest first."""
+    query = select(TokenRow).order_by(TokenRow.id)
+    if tenant is not None:
+        query = query.where(TokenRow.tenant == tenant)
+    with database.read() as session:
+        return [TokenInfo(row.id, row.tenant, row.created_at) for row in session.scalars(query)]
+
+
+def revoke_token(database: Database, token_id: int | None = None, token: str | None = None) -> TokenInfo | None:
+    """Delete the token with id `token_id`, or the one whose secret is `token`; None when unknown.
+    It stops authenticating at once: every request reads the table."""
+    column, value = (TokenRow.id, token_id) if token is None else (TokenRow.token_sha256, _token_digest(token))
+    with database.write() as session:
+        row = session.scalars(select(TokenRow).where(column == value)).first()
+        if row is None:
+            return None
+        session.delete(row)
+        return TokenInfo(row.id, row.tenant, row.created_at)
+
+
+def delete_tenant(database: Database, name: str) -> bool:
+    """Delete tenant `name` with its tokens and private deployments (the foreign keys cascade);
+    False when there is no such tenant. Its registry repos are the caller's to check first."""
+    with database.write() as session:
+        row = session.get(TenantRow, name)
+        if row is None:
+            return False
+        session.delete(row)
+        return True

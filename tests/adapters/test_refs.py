@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from lora_runtime.adapters import AdapterRef, LocalSource, parse_adapter_ref
+from lora_runtime.adapters import AdapterRef, AdapterRequest, Caller, LocalSource, parse_adapter_ref
 from lora_runtime.errors import AdapterNotFoundError, ValidationError
 
 
@@ -78,3 +78,22 @@ def test_local_source_with_root_stays_inside_it(tmp_path: Path) -> None:
             source.resolve(parse_adapter_ref(escaping, "local", allow_local=True), None)
     with pytest.raises(AdapterNotFoundError):
         source.resolve(parse_adapter_ref("team/none", "local", allow_local=True), None)
+
+
+def test_every_spelling_of_an_adapter_is_one_key(tmp_path: Path) -> None:
+    def key(adapter_id: str, source: str | None = None):
+        ref = parse_adapter_ref(adapter_id, source, allow_local=source == "local")
+        return AdapterRequest(ref, Caller("acme")).key
+
+    assert len({key(spelling, "local") for spelling in ("tiny", "./tiny", "tiny/../tiny", "tiny/")}) == 1
+    assert len({key(spelling, "s3") for spelling in ("s3://bucket/a/b", "bucket/a/b", "bucket/a/b/")}) == 1
+    assert key("repo/1@03") == key("repo/1@3") != key("repo/1")
+    assert key("tiny", "local") != key("tiny/other", "local")
+    # The normalized path is what is looked up, and it still may not leave the root.
+    root = tmp_path / "root"
+    _adapter_dir(root / "tiny")
+    _adapter_dir(tmp_path / "outside")
+    source = LocalSource(root)
+    assert source.resolve(parse_adapter_ref("x/../tiny", "local", allow_local=True), None) == root / "tiny"
+    with pytest.raises(ValidationError):
+        source.resolve(parse_adapter_ref("tiny/../../outside", "local", allow_local=True), None)

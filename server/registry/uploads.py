@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import logging
 import re
@@ -123,20 +124,27 @@ class UploadService:
         self.signer.verify(_route_path(upload_id, name), expires, signature)
         check_upload_name(name)
 
-    def admit_file(self, upload_id: str, name: str, expires: str, signature: str) -> FileAdmission:
+    def admit_file(
+        self, upload_id: str, name: str, expires: str, signature: str, declared_bytes: int | None = None
+    ) -> FileAdmission:
         """Step 2 on this server (`PUT {UPLOAD_ROUTE}/{upload_id}/{name}`), before the body is read:
-        checks the URL and the upload, and reserves what the file may take. `release` it after.
+        checks the URL and the upload, and reserves what the file may take: its Content-Length
+        (`declared_bytes`) when it has one, else its whole bound. `release` it after.
 
         Raises:
             UploadSignatureError (403), ValidationError (422), UploadNotFoundError (404: the upload
-            is finished or expired).
+            is finished or expired), PayloadTooLargeError (413: `declared_bytes` past the bound).
         """
         self.verify_upload_url(upload_id, name, expires, signature)
         upload = self._open_upload(upload_id)
         with self.ledger.lock:
             bound = self._put_bound(upload, name)
-            reservation = self.ledger.reserve(Reservation(upload.tenant_id, upload_id, bound.max_bytes))
-        return FileAdmission(f"uploads/{upload_id}/{name}", bound, reservation)
+            if declared_bytes is not None and declared_bytes > bound.max_bytes:
+                raise bound.error()
+            reserved = bound.max_bytes if declared_bytes is None else declared_bytes
+            reservation = self.ledger.reserve(Reservation(upload.tenant_id, upload_id, reserved))
+        return FileAdmission(f"uploads/{upload_id}/{name}", dataclasses.replace(bound, max_bytes=reserved),
+                             reservation)
 
     def store_file(self, admission: FileAdmission, body: BinaryIO) -> int:
         """Stores an admitted PUT's body; returns its size. Raises PayloadTooLargeError (413) as the

@@ -138,10 +138,13 @@ async def start_upload(request: Request) -> JSONResponse:
 async def receive_upload_file(request: Request, upload_id: str, name: str, expires: str = "",
                               signature: str = "") -> Response:
     """Step 2: the raw bytes of one file, to a signed URL (no Authorization header). Refused before
-    the body is read (bad URL, finished or expired upload), else as the body passes its bound."""
+    the body is read (bad URL, finished or expired upload, a Content-Length past the file's bound),
+    else as the body passes its bound."""
     state = server_state(request)
     uploads = state.adapters.uploads(state.config, str(request.base_url))
-    admission = await run_in_threadpool(uploads.admit_file, upload_id, name, expires, signature)
+    declared = request.headers.get("content-length")
+    declared_bytes = int(declared) if declared is not None and declared.isdigit() else None
+    admission = await run_in_threadpool(uploads.admit_file, upload_id, name, expires, signature, declared_bytes)
     try:
         with await _spooled_body(request, admission.bound) as spool:
             await run_in_threadpool(uploads.store_file, admission, spool)
@@ -152,10 +155,7 @@ async def receive_upload_file(request: Request, upload_id: str, name: str, expir
 
 async def _spooled_body(request: Request, bound: ByteBound) -> tempfile.SpooledTemporaryFile:
     """The body, rewound, in memory or (past `_SPOOL_BYTES`) a temporary file; 413 naming the bound
-    as soon as the body passes it, at once when Content-Length says so."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > bound.max_bytes:
-        raise bound.error()
+    as soon as the body passes it."""
     spool = tempfile.SpooledTemporaryFile(max_size=_SPOOL_BYTES)
     size = 0
     try:

@@ -100,18 +100,26 @@ def test_an_upload_and_a_tenant_stage_bounded_bytes(registry: AdapterRegistry) -
 
 
 def test_bytes_of_puts_in_flight_are_reserved(registry: AdapterRegistry) -> None:
+    """A PUT in flight holds its Content-Length, or without one its whole bound, until released."""
     uploads = _service(registry, max_staged_upload_bytes=100_000)
     urls = uploads.start_upload("t1", "alice", "news", files=["tokenizer.json", "vocab.json"]).presigned_urls
-    admissions = [_admit(uploads, urls["tokenizer.json"]), _admit(uploads, urls["vocab.json"])]
-    assert [a.bound.max_bytes for a in admissions] == [100_000, 0]  # the first holds the tenant's whole share
-    uploads.release(admissions[0])
+    declared = [_admit(uploads, urls["tokenizer.json"], 60_000), _admit(uploads, urls["vocab.json"], 40_000)]
+    assert [a.bound.max_bytes for a in declared] == [60_000, 40_000]
+    with pytest.raises(PayloadTooLargeError, match="staged files of tenant 't1'.* 100000 of them taken"):
+        _admit(uploads, urls["adapter_config.json"], 1)
+    for admission in declared:
+        uploads.release(admission)
+    undeclared = _admit(uploads, urls["tokenizer.json"])
+    assert undeclared.bound.max_bytes == 100_000
+    assert _admit(uploads, urls["vocab.json"]).bound.max_bytes == 0
+    uploads.release(undeclared)
     assert _admit(uploads, urls["adapter_config.json"]).bound.max_bytes == CONFIG_MAX_BYTES
 
 
-def _admit(uploads: UploadService, url: str) -> FileAdmission:
+def _admit(uploads: UploadService, url: str, declared_bytes: int | None = None) -> FileAdmission:
     query = parse_qs(urlsplit(url).query)
     upload_id, name = urlsplit(url).path.split("/")[-2:]
-    return uploads.admit_file(upload_id, name, query["expires"][0], query["signature"][0])
+    return uploads.admit_file(upload_id, name, query["expires"][0], query["signature"][0], declared_bytes)
 
 
 def test_a_tenant_has_a_bounded_number_of_open_uploads(

@@ -1,6 +1,7 @@
 """Engine throughput against HF transformers (or PEFT, with adapters), measured in the same run.
 
     python -m benchmarks.engine [--threads 1] [--num-requests 64] [--new-tokens 64] [--adapters N]
+                                [--device cuda] [--baselines hf,peft] [--model-dir DIR]
 
 64 requests of ~20-60 prompt tokens, 64 new tokens each, greedy, EOS ignored, on the embedded model
 in the engine's default dtype ("auto": bf16 where the CPU multiplies it natively, else float32;
@@ -13,6 +14,12 @@ baseline, much slower, runs once). Prints tokens per CPU-second and per wall sec
 time, peak RSS, and the base model's floor on this machine for the workload (`benchmarks.roofline`:
 weights and KV read once per step, prefill at the matmul peak, both rates measured in this run), and
 where the issues' goals (5x HF, 10x PEFT) stand against that floor; the last line is one JSON object.
+
+`--device cuda` runs our engine and the baselines on the GPU, each timed to its last token on the
+host; there the CPU time says nothing of the work, so runs are ranked and ratios taken on wall time,
+and the floor (a CPU measurement) is left out. `--baselines hf,peft` runs both baselines whatever
+`--adapters` is (default: HF without adapters, PEFT with). `--model-dir` runs another checkpoint of
+the same family instead of the embedded model.
 """
 from __future__ import annotations
 
@@ -25,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from benchmarks.peft_baseline import make_random_adapters, run_peft
+from benchmarks.peft_baseline import left_padded, make_random_adapters, run_peft
 from benchmarks.roofline import workload_floor
 from benchmarks.timing import Timer, peak_rss_mib
 from kernels import cpu_ops
@@ -73,35 +80,36 @@ def run_ours(engine: Engine, prompts: list[list[int]], new_tokens: int, adapters
     return timer.report(sum(len(o.token_ids) for o in outputs))
 
 
-def run_hf(model_dir: Path, prompts: list[list[int]], new_tokens: int, dtype: torch.dtype, pad_id: int) -> dict:
+def run_hf(model_dir: Path, prompts: list[list[int]], new_tokens: int, dtype: torch.dtype, pad_id: int,
+           device: str = "cpu") -> dict:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    width = max(len(p) for p in prompts)
-    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])  # left padding
-    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    input_ids, attention_mask = left_padded(prompts, pad_id, device)
     with torch.inference_mode():
         with Timer() as timer:
             out = model.generate(
                 input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                 do_sample=False, pad_token_id=pad_id,
             )
-    return timer.report((out.shape[1] - width) * out.shape[0])
+            out = out.cpu()  # the clock stops with the tokens on the host, as ours does
+    return timer.report((out.shape[1] - input_ids.shape[1]) * out.shape[0])
 
 
-def median_of_interleaved(runs: dict[str, Callable[[], dict]], repeats: int) -> dict[str, dict]:
+def median_of_interleaved(runs: dict[str, Callable[[], dict]], repeats: int, rate: str = "tokens_per_cpu_s") -> dict[str, dict]:
     """Each of `runs` `repeats` times, interleaved round by round (so a noisy spell on the shared
-    machine hits every configuration alike); per run name, the run of median throughput, with every
-    run's throughput kept under "all_tokens_per_cpu_s"."""
+    machine hits every configuration alike); per run name, the run of median `rate`, with every
+    run's rate kept under "all_<rate>"."""
     results: dict[str, list[dict]] = {name: [] for name in runs}
     for _ in range(repeats):
         for name, run in runs.items():
             results[name].append(run())
     chosen = {}
     for name, figures in results.items():
-        ranked = sorted(figures, key=lambda f: f["tokens_per_cpu_s"])
-        chosen[name] = ranked[len(ranked) // 2] | {"all_tokens_per_cpu_s": [f["tokens_per_cpu_s"] for f in figures]}
+        ranked = sorted(figures, key=lambda f: f[rate])
+        chosen[name] = ranked[len(ranked) // 2] | {f"all_{rate}": [f[rate] for f in figures]}
     return chosen
+
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -117,7 +125,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--skip-baseline", action="store_true", help="measure our engine only")
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs of our engine per configuration, interleaved; the median is reported")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (our engine and the baselines)")
+    parser.add_argument("--baselines", default=None,
+                        help="comma-separated: hf, peft (default: hf without --adapters, peft with)")
+    parser.add_argument("--model-dir", type=Path, default=None, help="a checkpoint to run instead of the embedded model")
     return parser.parse_args(argv)
+
+
+def baselines_of(args: argparse.Namespace) -> set[str]:
+    """The baselines this run measures."""
+    if args.skip_baseline:
+        return set()
+    if args.baselines is not None:
+        return set(filter(None, args.baselines.split(",")))
+    return {"peft"} if args.adapters else {"hf"}
 
 
 def _log(name: str, figures: dict) -> None:
@@ -135,54 +156,76 @@ def main(argv=None) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    model_dir = ensure_embedded_model()
-    engine = Engine.from_config(EngineConfig(dtype=args.dtype, scheduler=SchedulerConfig(max_num_seqs=args.num_requests),
-                                             kv_cache=NO_PREFIX_CACHE))
+    model_dir = args.model_dir or ensure_embedded_model()
+    config = EngineConfig(model=str(args.model_dir) if args.model_dir else None, dtype=args.dtype, device=args.device,
+                          scheduler=SchedulerConfig(max_num_seqs=args.num_requests), kv_cache=NO_PREFIX_CACHE)
+    engine = Engine.from_config(config)
     prompts = make_prompts(engine.tokenizer, args.num_requests)
     pad_id = engine.tokenizer.eos_token_id
     dtype = engine.model.dtype
+    on_gpu = torch.device(args.device).type == "cuda"
+    rate = "tokens_per_s" if on_gpu else "tokens_per_cpu_s"
     report: dict = {"threads": args.threads, "dtype": engine.dtype_name, "kernel_backend": engine.kernel_backend,
-                    "num_requests": args.num_requests,
+                    "device": args.device, "rate": rate, "num_requests": args.num_requests,
                     "new_tokens": args.new_tokens, "adapters": args.adapters, "targets": args.targets}
     runs = {"ours": lambda: run_ours(engine, prompts, args.new_tokens)}
     if args.adapters:
-        paths = make_random_adapters(model_dir, default_cache_dir() / "bench-adapters", args.adapters, args.targets)
+        adapter_root = default_cache_dir() / "bench-adapters" / (args.model_dir.name if args.model_dir else "")
+        paths = make_random_adapters(model_dir, adapter_root, args.adapters, args.targets)
         adapter_of = [i % args.adapters for i in range(args.num_requests)]
         adapters = [str(paths[i]) for i in adapter_of]
+        report.update(adapter_paths=[str(p) for p in paths], adapter_of=adapter_of)
         runs["ours_adapters"] = lambda: run_ours(engine, prompts, args.new_tokens, adapters)
-    report.update(median_of_interleaved(runs, args.repeats))
+    report.update(median_of_interleaved(runs, args.repeats, rate))
     ours = report["ours"]
     _log("ours, base model", ours)
     if args.adapters:
         mixed = report["ours_adapters"]
-        report["lora_overhead"] = ours["tokens_per_cpu_s"] / mixed["tokens_per_cpu_s"] - 1
+        report["lora_overhead"] = ours[rate] / mixed[rate] - 1
         _log(f"ours, {args.adapters} adapters", mixed)
         logger.info("LoRA overhead against our base model: %+.0f%%", 100 * report["lora_overhead"])
-        if not args.skip_baseline:
-            report["peft_generate"] = peft = run_peft(model_dir, paths, prompts, adapter_of, args.new_tokens, dtype, pad_id)
-            report["ratio_vs_peft"] = mixed["tokens_per_cpu_s"] / peft["tokens_per_cpu_s"]
-            _log("PEFT mixed-adapter generate", peft)
-            logger.info("ours / PEFT = %.2fx (CPU time)", report["ratio_vs_peft"])
-    elif not args.skip_baseline:
-        report["hf_generate"] = hf = run_hf(model_dir, prompts, args.new_tokens, dtype, pad_id)
-        report["ratio_vs_hf"] = ours["tokens_per_cpu_s"] / hf["tokens_per_cpu_s"]
-        _log(f"HF generate (batch {args.num_requests})", hf)
-        logger.info("ours / HF = %.2fx (CPU time)", report["ratio_vs_hf"])
+    report.update(run_baselines(args, model_dir, prompts, dtype, pad_id, report))
     report["peak_rss_mib"] = peak_rss_mib()  # before the floor's measurements, which allocate 512 MiB
-    report["floor"] = floor = workload_floor(engine.model, [len(p) for p in prompts], args.new_tokens)
-    report["ours_of_floor"] = ours["tokens_per_cpu_s"] / floor["tokens_per_s"]
+    if not on_gpu:  # the floor is a CPU measurement
+        report.update(floor_figures(engine, [len(p) for p in prompts], args.new_tokens, report))
+    print(json.dumps(report))
+    return report
+
+
+def floor_figures(engine: Engine, prompt_lens: list[int], new_tokens: int, report: dict) -> dict:
+    """The base model's floor on this CPU for the workload, ours against it, and the goal against it."""
+    ours = report["ours"]
+    figures: dict = {"floor": (floor := workload_floor(engine.model, prompt_lens, new_tokens))}
+    figures["ours_of_floor"] = ours["tokens_per_cpu_s"] / floor["tokens_per_s"]
     logger.info("floor of the base model on this machine: %.0f tokens/s (%.0f MB of weights per step at %.1f GB/s, "
                 "matmuls at %.0f GFLOP/s, the library's rate at prefill shape); ours, base model: %.0f%% of it",
                 floor["tokens_per_s"], floor["weight_mb_per_step"], floor["read_gb_per_s"], floor["matmul_gflop_per_s"],
-                100 * report["ours_of_floor"])
+                100 * figures["ours_of_floor"])
     if floor["instruction_tokens_per_s"] is not None:
-        report["ours_of_instruction_floor"] = ours["tokens_per_cpu_s"] / floor["instruction_tokens_per_s"]
+        figures["ours_of_instruction_floor"] = ours["tokens_per_cpu_s"] / floor["instruction_tokens_per_s"]
         logger.info("floor at the %s instruction peak (%.0f GFLOP/s): %.0f tokens/s; ours, base model: %.0f%% of it",
                     engine.dtype_name, floor["instruction_gflop_per_s"], floor["instruction_tokens_per_s"],
-                    100 * report["ours_of_instruction_floor"])
-    report.update(_goal_against_floor(report, floor))
-    print(json.dumps(report))
-    return report
+                    100 * figures["ours_of_instruction_floor"])
+    figures.update(_goal_against_floor(report, floor))
+    return figures
+
+def run_baselines(args: argparse.Namespace, model_dir: Path, prompts: list[list[int]], dtype: torch.dtype,
+                  pad_id: int, report: dict) -> dict:
+    """The baselines' figures and our ratios to them (`report` holds our runs)."""
+    rate, clock = report["rate"], "wall time" if report["rate"] == "tokens_per_s" else "CPU time"
+    baselines, figures = baselines_of(args), {}
+    if "peft" in baselines and args.adapters:
+        figures["peft_generate"] = peft = run_peft(model_dir, report["adapter_paths"], prompts,
+                                                   report["adapter_of"], args.new_tokens, dtype, pad_id, args.device)
+        figures["ratio_vs_peft"] = report["ours_adapters"][rate] / peft[rate]
+        _log("PEFT mixed-adapter generate", peft)
+        logger.info("ours / PEFT = %.2fx (%s)", figures["ratio_vs_peft"], clock)
+    if "hf" in baselines:
+        figures["hf_generate"] = hf = run_hf(model_dir, prompts, args.new_tokens, dtype, pad_id, args.device)
+        figures["ratio_vs_hf"] = report["ours"][rate] / hf[rate]
+        _log(f"HF generate (batch {args.num_requests})", hf)
+        logger.info("ours / HF = %.2fx (%s)", figures["ratio_vs_hf"], clock)
+    return figures
 
 
 def _goal_against_floor(report: dict, floor: dict) -> dict:

@@ -1,7 +1,7 @@
 """Kernel benchmark: multi-adapter LoRA against two naive baselines, paged attention, and (on CPUs
 with AMX or AVX512-BF16) the compiled bf16 matmuls of the projections against oneDNN.
 
-    python -m benchmarks.kernels [--threads 1] [--dtype float32] [--quick] [--form avx2]
+    python -m benchmarks.kernels [--threads 1] [--dtype float32] [--quick] [--form avx2] [--device cuda]
 
 Every op runs on the device's backend (`kernels.backend_for`; on CPU the compiled ops in the best
 form this CPU runs, or the one `--form` names). LoRA: our `add_lora` against (a) a per-adapter Python loop (mask, gather, two matmuls,
@@ -16,7 +16,16 @@ and a PNG plot to benchmarks/results/.
 Projections: SmolLM2 shapes at 1-256 rows, each call on the next of 8 copies of the weight (the
 copies exceed the L2 cache, as a decode step's 30 layers do), `kernels.linear.linear_packed` with
 each kernel this CPU's form runs against the library: oneDNN's prepacked bf16 matmul (which the CPU
-backend keeps on AMX above `tuning.AMX_LINEAR_MAX_ROWS`), F.linear (MKL's sgemm) in float32."""
+backend keeps on AMX above `tuning.AMX_LINEAR_MAX_ROWS`), F.linear (MKL's sgemm) in float32.
+
+Bandwidth: the device's copy rate is measured first (a 1 GiB copy on CUDA, 256 MiB on CPU; bytes
+read plus bytes written per second), and each LoRA and attention row gives the bytes its call must
+move (x and the adapters' pages read, y read and written; q read, out written, every context's keys
+and values read) over its time, as a fraction of that rate: on a GPU these ops are memory-bound, so
+the fraction is how close to the hardware they run. `--device` picks the device (default: CUDA where
+there is one), `--backend` forces a backend (`triton` on CPU runs the kernels in the interpreter,
+under TRITON_INTERPRET=1), `--tiny` runs one small case of each (a smoke run), `--out-dir` says where
+the JSON and the plot go."""
 from __future__ import annotations
 
 import argparse
@@ -35,7 +44,7 @@ import torch
 import kernels
 from kernels import cpu_ops
 from kernels.linear import KIND_DTYPES, available_kinds, linear_packed, pack_linear_weight
-from kernels.lora.layouts import ModuleShape, pages_for_rank
+from kernels.lora.layouts import PAGE_ROWS, ModuleShape, pages_for_rank
 from kernels.lora.plans import LoraSlice, PageTable
 
 LOG = logging.getLogger("benchmarks.kernels")
@@ -78,10 +87,10 @@ def lora_cases(quick: bool) -> list[LoraCase]:
 Timings = dict[str, dict[str, float]]
 
 
-def make_timer(device: torch.device, seconds: float) -> Callable[[dict[str, Callable[[], object]]], Timings]:
+def make_timer(device: torch.device, seconds: float, min_rounds: int = 5) -> Callable[[dict[str, Callable[[], object]]], Timings]:
     """Times several functions, interleaved round by round, -> {name: {"min": s, "median": s}}.
 
-    On CUDA: triton.testing.do_bench per function. On CPU: perf_counter per call, >= 5 rounds and
+    On CUDA: triton.testing.do_bench per function. On CPU: perf_counter per call, >= `min_rounds` rounds and
     about `seconds` per case. The machine this was written on is shared, and other jobs only ever add time:
     the minimum is the stable figure, the median is kept to show the spread."""
     if device.type == "cuda":
@@ -92,7 +101,7 @@ def make_timer(device: torch.device, seconds: float) -> Callable[[dict[str, Call
     def cpu_timer(fns: dict[str, Callable[[], object]]) -> Timings:
         samples: dict[str, list[float]] = {name: [] for name in fns}
         deadline = time.perf_counter() + seconds
-        while min(len(s) for s in samples.values()) < 5 or time.perf_counter() < deadline:
+        while min(len(s) for s in samples.values()) < min_rounds or time.perf_counter() < deadline:
             for name, fn in fns.items():
                 start = time.perf_counter()
                 fn()
@@ -100,6 +109,31 @@ def make_timer(device: torch.device, seconds: float) -> Callable[[dict[str, Call
         return {name: {"min": min(s[1:] or s), "median": statistics.median(s)} for name, s in samples.items()}
 
     return cpu_timer
+
+
+def tiny_lora_cases() -> list[LoraCase]:
+    return [LoraCase(64, 96, 16, 6, 2, "uniform")]
+
+
+def measure_copy_rate(device: torch.device, timer) -> float:
+    """Bytes read plus bytes written per second of one large device-to-device copy."""
+    num_bytes = 2**30 if device.type == "cuda" else 2**28
+    source = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
+    target = torch.empty_like(source)
+    seconds = timer({"copy": lambda: target.copy_(source)})["copy"]["min"]
+    return 2 * num_bytes / seconds
+
+
+def lora_bytes(case: LoraCase, element_size: int, num_used_adapters: int) -> int:
+    """What one add_lora call must move: x read, y read and written, each used adapter's pages read."""
+    pages = num_used_adapters * pages_for_rank(case.rank) * PAGE_ROWS * (case.hidden_in + case.out)
+    return element_size * (case.num_tokens * (case.hidden_in + 2 * case.out) + pages)
+
+
+def attention_bytes(q: torch.Tensor, k_cache: torch.Tensor, seq_lens: list[int]) -> int:
+    """What one paged-attention call must move: q read, the output written, every context's K and V read."""
+    kv_per_token = k_cache.shape[2] * k_cache.shape[3]
+    return q.element_size() * (2 * q.numel() + 2 * sum(seq_lens) * kv_per_token)
 
 
 def token_slots(case: LoraCase, gen: torch.Generator) -> torch.Tensor:
@@ -127,7 +161,7 @@ def gather_bmm(y, x, lora_a, lora_b, slots) -> None:
     y.add_(delta.to(y.dtype))
 
 
-def bench_lora_case(case: LoraCase, dtype: torch.dtype, backend: kernels.Backend, timer) -> dict:
+def bench_lora_case(case: LoraCase, dtype: torch.dtype, backend: kernels.Backend, timer, copy_rate: float) -> dict:
     device = backend.device
     gen = torch.Generator().manual_seed(0)
     slots = token_slots(case, gen).to(device)
@@ -170,25 +204,34 @@ def bench_lora_case(case: LoraCase, dtype: torch.dtype, backend: kernels.Backend
     row.setdefault("gather_bmm_s", None)
     row["overhead"] = row["base_then_ours_s"] / row["base_s"] - 1.0
     row["lora_over_base"] = row["ours_s"] / row["base_s"]
+    row["bytes_moved"] = lora_bytes(case, x.element_size(), len(set(slot_list)))
+    row["of_copy_rate"] = row["bytes_moved"] / row["ours_s"] / copy_rate
     return row
 
 
-def bench_attention(dtype: torch.dtype, backend: kernels.Backend, timer) -> list[dict]:
-    """The engine's common step: 64 decode sequences of 20-150 tokens, with and without two
-    prefill chunks; SmolLM2-135M heads (9 query / 3 KV, head_dim 64), block 16."""
+def attention_cases(tiny: bool) -> list[tuple[str, list[int], list[int]]]:
+    """(name, new tokens per sequence, context lengths): the engine's common step, 64 decode sequences
+    of 20-150 tokens, with and without two prefill chunks (`tiny`: 4 sequences of 5-32, short prefills)."""
     gen = torch.Generator().manual_seed(0)
-    decode_lens = torch.randint(20, 151, (64,), generator=gen).tolist()
+    num_decode, lens, prefills = (4, (5, 33), ([4, 2], [8, 12])) if tiny else (64, (20, 151), ([256, 128], [256, 400]))
+    decode_lens = torch.randint(*lens, (num_decode,), generator=gen).tolist()
+    return [(f"decode{num_decode}", [1] * num_decode, decode_lens),
+            (f"decode{num_decode}+prefill2", [1] * num_decode + prefills[0], decode_lens + prefills[1])]
+
+
+def bench_attention(dtype: torch.dtype, backend: kernels.Backend, timer, copy_rate: float, tiny: bool = False) -> list[dict]:
+    """Each of `attention_cases` with SmolLM2-135M heads (9 query / 3 KV, head_dim 64), block 16."""
+    gen = torch.Generator().manual_seed(0)
     rows = []
-    for name, q_lens, seq_lens in [
-        ("decode64", [1] * 64, decode_lens),
-        ("decode64+prefill2", [1] * 64 + [256, 128], decode_lens + [256, 400]),
-    ]:
+    for name, q_lens, seq_lens in attention_cases(tiny):
         q, k_cache, v_cache, step = _paged_batch(q_lens, seq_lens, dtype, backend.device, gen)
         plan = backend.plan_attention(step)
         timings = timer({"attention": lambda: backend.paged_attention(q, k_cache, v_cache, plan, 0.125),
                          "build": lambda: backend.plan_attention(step)})
         layer, build = timings["attention"]["min"], timings["build"]["min"]
-        rows.append({"case": name, "per_layer_s": layer, "plan_build_s": build, "per_step_30_layers_s": 30 * layer + build})
+        moved = attention_bytes(q, k_cache, seq_lens)
+        rows.append({"case": name, "per_layer_s": layer, "plan_build_s": build, "per_step_30_layers_s": 30 * layer + build,
+                     "bytes_moved": moved, "of_copy_rate": moved / layer / copy_rate})
     return rows
 
 
@@ -235,13 +278,14 @@ def _paged_batch(q_lens, seq_lens, dtype, device, gen):
 
 
 def log_lora_table(rows: list[dict]) -> None:
-    LOG.info("%6s %5s %4s %6s %4s %8s | %9s %9s %9s %9s | %8s %8s", "hidden", "out", "rank", "tokens", "adap",
-             "popular", "base us", "ours us", "loop us", "gather us", "lora/base", "overhead")  # fmt: skip
+    LOG.info("%6s %5s %4s %6s %4s %8s | %9s %9s %9s %9s | %8s %8s %7s", "hidden", "out", "rank", "tokens", "adap",
+             "popular", "base us", "ours us", "loop us", "gather us", "lora/base", "overhead", "of copy")  # fmt: skip
     for r in rows:
         gather = f"{r['gather_bmm_s'] * 1e6:9.0f}" if r["gather_bmm_s"] is not None else f"{'-':>9}"
-        LOG.info("%6d %5d %4d %6d %4d %8s | %9.0f %9.0f %9.0f %s | %8.1f%% %7.1f%%", r["hidden_in"], r["out"],
+        LOG.info("%6d %5d %4d %6d %4d %8s | %9.0f %9.0f %9.0f %s | %8.1f%% %7.1f%% %6.1f%%", r["hidden_in"], r["out"],
                  r["rank"], r["num_tokens"], r["num_adapters"], r["popularity"], r["base_s"] * 1e6, r["ours_s"] * 1e6,
-                 r["adapter_loop_s"] * 1e6, gather, 100 * r["lora_over_base"], 100 * r["overhead"])  # fmt: skip
+                 r["adapter_loop_s"] * 1e6, gather, 100 * r["lora_over_base"], 100 * r["overhead"],
+                 100 * r["of_copy_rate"])  # fmt: skip
 
 
 def goal_rows(rows: list[dict]) -> list[dict]:
@@ -276,17 +320,21 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--quick", action="store_true", help="576-wide projection and ranks 8, 16 only")
     parser.add_argument("--seconds", type=float, default=0.5, help="CPU timing budget per case")
     parser.add_argument("--form", default=None, help="compiled CPU ops form (default: the best this CPU runs)")
-    args = parser.parse_args()
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda where there is one)")
+    parser.add_argument("--backend", default=None, choices=kernels.BACKEND_NAMES, help="default: the device's")
+    parser.add_argument("--tiny", action="store_true", help="one small case of each op (a smoke run)")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR, help="where the JSON and the plot go")
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(args.threads)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.form:
         with cpu_ops.using_form(args.form):
             run(args, device)
@@ -296,30 +344,39 @@ def main() -> None:
 
 def run(args: argparse.Namespace, device: torch.device) -> None:
     dtype = getattr(torch, args.dtype)
-    backend = kernels.backend_for(device)
-    timer = make_timer(device, args.seconds)
-    LOG.info("backend %s, %s, %d thread(s)", backend.label, args.dtype, args.threads)
-    rows = [bench_lora_case(case, dtype, backend, timer) for case in lora_cases(args.quick)]
+    backend = kernels.backend_for(device, args.backend)
+    timer = make_timer(device, args.seconds, min_rounds=2 if args.tiny else 5)
+    copy_rate = measure_copy_rate(device, timer)
+    LOG.info("backend %s, %s, %d thread(s); device copy rate %.0f GB/s (read + written)", backend.label, args.dtype,
+             args.threads, copy_rate / 1e9)
+    cases = tiny_lora_cases() if args.tiny else lora_cases(args.quick)
+    rows = [bench_lora_case(case, dtype, backend, timer, copy_rate) for case in cases]
     log_lora_table(rows)
     for r in goal_rows(rows):
         verdict = "meets" if r["overhead"] <= GOAL["max_overhead"] else "misses"
         LOG.info("goal (<= 15%%): rank %d %s: %.1f%% -> %s", r["rank"], r["popularity"], 100 * r["overhead"], verdict)
-    attention = bench_attention(dtype, backend, timer)
+    attention = bench_attention(dtype, backend, timer, copy_rate, args.tiny)
     for r in attention:
-        LOG.info("paged attention %-18s %8.0f us/layer  plan %6.0f us  30 layers %6.1f ms", r["case"],
-                 r["per_layer_s"] * 1e6, r["plan_build_s"] * 1e6, r["per_step_30_layers_s"] * 1e3)  # fmt: skip
-    projections = bench_projections(timer) if device.type == "cpu" else []
+        LOG.info("paged attention %-18s %8.0f us/layer  plan %6.0f us  30 layers %6.1f ms  %.0f%% of the copy rate",
+                 r["case"], r["per_layer_s"] * 1e6, r["plan_build_s"] * 1e6, r["per_step_30_layers_s"] * 1e3,
+                 100 * r["of_copy_rate"])  # fmt: skip
+    projections = bench_projections(timer) if backend.name == "cpu" and not args.tiny else []
     for r in projections:
         LOG.info("projection %4d -> %5d, %3d rows: %s %7.0f us  library %7.0f us  (%.2fx)", r["in"], r["out"],
                  r["rows"], r["kind"], r["compiled_s"] * 1e6, r["library_s"] * 1e6, r["library_s"] / r["compiled_s"])  # fmt: skip
-    RESULTS_DIR.mkdir(exist_ok=True)
-    stem = f"kernels_{device.type}_{args.dtype}_{args.threads}t{'_quick' if args.quick else ''}"
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"kernels_{device.type}_{args.dtype}_{args.threads}t{'_quick' if args.quick else ''}{'_tiny' if args.tiny else ''}"
     environment = {"torch": torch.__version__, "threads": args.threads, "dtype": args.dtype, "backend": backend.label,
-                   "device": device.type, "cpu": platform.processor() or platform.machine()}  # fmt: skip
+                   "device": device.type, "cpu": platform.processor() or platform.machine(),
+                   "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+                   "copy_bytes_per_s": copy_rate}  # fmt: skip
     payload = {"environment": environment, "lora": rows, "attention": attention, "projections": projections}
-    (RESULTS_DIR / f"{stem}.json").write_text(json.dumps(payload, indent=1))
-    plot(rows, RESULTS_DIR / f"{stem}.png")
-    LOG.info("wrote %s.json and %s.png in %s", stem, stem, RESULTS_DIR)
+    (args.out_dir / f"{stem}.json").write_text(json.dumps(payload, indent=1))
+    if args.tiny:  # the plot draws the 576-wide cases, which a tiny run has none of
+        LOG.info("wrote %s.json in %s", stem, args.out_dir)
+        return
+    plot(rows, args.out_dir / f"{stem}.png")
+    LOG.info("wrote %s.json and %s.png in %s", stem, stem, args.out_dir)
 
 
 if __name__ == "__main__":

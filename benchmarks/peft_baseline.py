@@ -37,7 +37,7 @@ def make_random_adapters(model_dir: Path, root: Path, count: int, targets: str) 
 
 
 def run_peft(model_dir: Path, adapter_paths: list[Path], prompts: list[list[int]], adapter_of: list[int],
-             new_tokens: int, dtype: torch.dtype, pad_id: int) -> dict:
+             new_tokens: int, dtype: torch.dtype, pad_id: int, device: str = "cpu") -> dict:
     """PEFT's mixed-adapter batch: one `generate` with `adapter_names` naming each row's adapter."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -46,10 +46,8 @@ def run_peft(model_dir: Path, adapter_paths: list[Path], prompts: list[list[int]
     model = PeftModel.from_pretrained(base, str(adapter_paths[0]), adapter_name="a0")
     for i, path in enumerate(adapter_paths[1:], start=1):
         model.load_adapter(str(path), adapter_name=f"a{i}")
-    model = model.to(dtype).eval()
-    width = max(len(p) for p in prompts)
-    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    model = model.to(device, dtype).eval()
+    input_ids, attention_mask = left_padded(prompts, pad_id, device)
     names = [f"a{i}" for i in adapter_of]
     with torch.inference_mode():
         with Timer() as timer:
@@ -57,4 +55,14 @@ def run_peft(model_dir: Path, adapter_paths: list[Path], prompts: list[list[int]
                 input_ids=input_ids, attention_mask=attention_mask, adapter_names=names,
                 max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id,
             )
-    return timer.report((out.shape[1] - width) * out.shape[0])
+            out = out.cpu()  # the clock stops with the tokens on the host, as ours does
+    return timer.report((out.shape[1] - input_ids.shape[1]) * out.shape[0])
+
+
+def left_padded(prompts: list[list[int]], pad_id: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) [num_prompts, longest] of the prompts padded on the left, as HF's
+    batched `generate` takes them."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    return input_ids, attention_mask

@@ -4,10 +4,10 @@ A request goes to a replica through Ray Serve's handle with its adapter's multip
 Serve's router sends it where that adapter was served before (base-model requests: the less loaded
 of two replicas, Serve's default). The request's `CacheScope` (tenant, cache_salt) travels with it,
 so a replica reuses cached prompt blocks within that scope only; routing needs no part of it (an
-adapter's model id already names its tenant, and a salt only narrows reuse). The replica answers `Accepted` or `Failed` first, so that
-validation and adapter errors keep their status; outputs follow. Ray's failures become the
-service's: every replica full past the router's queue -> 429; a replica that died or cannot be
-reached -> 503 before the first byte, an error event after it.
+adapter's model id already names its tenant, and a salt only narrows reuse). The replica answers
+`Accepted` or `Failed` first, so that validation and adapter errors keep their status; outputs
+follow. Ray's failures become the service's: every replica full past the router's queue -> 429; a
+replica that died or cannot be reached -> 503 before the first byte, an error event after it.
 """
 from __future__ import annotations
 

@@ -15,9 +15,11 @@ from fastapi import APIRouter, Path, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 
 from server.auth import authenticate
 from server.body import read_model
+from server.errors import bad_request
 from server.registry.errors import ByteBound
 from server.registry.uploads import UPLOAD_ROUTE
 from server.routes.openapi import error_responses
@@ -155,7 +157,8 @@ async def receive_upload_file(request: Request, upload_id: str, name: str, expir
 
 async def _spooled_body(request: Request, bound: ByteBound) -> tempfile.SpooledTemporaryFile:
     """The body, rewound, in memory or (past `_SPOOL_BYTES`) a temporary file; 413 naming the bound
-    as soon as the body passes it."""
+    as soon as the body passes it. A client that leaves mid-body gets a 400 it will not read: a
+    disconnect is the client's doing, not an error of the server's to log."""
     spool = tempfile.SpooledTemporaryFile(max_size=_SPOOL_BYTES)
     size = 0
     try:
@@ -164,8 +167,10 @@ async def _spooled_body(request: Request, bound: ByteBound) -> tempfile.SpooledT
             if size > bound.max_bytes:
                 raise bound.error()
             spool.write(chunk)
-    except BaseException:
+    except BaseException as error:
         spool.close()
+        if isinstance(error, ClientDisconnect):
+            raise bad_request("the client disconnected before the end of the body") from None
         raise
     spool.seek(0)
     return spool

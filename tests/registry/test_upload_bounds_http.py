@@ -8,8 +8,9 @@ from __future__ import annotations
 import datetime as dt
 import http.client
 import json
+import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -47,7 +48,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
 
     data_dir = tmp_path_factory.mktemp("uploads")
     _stage_expired_upload(data_dir)
-    server = start_live_server(Engine.from_config(EngineConfig(dtype="float32")), data_dir, max_open_uploads=6,
+    server = start_live_server(Engine.from_config(EngineConfig(dtype="float32")), data_dir, max_open_uploads=8,
                                max_staged_upload_bytes=_STAGED_LIMIT, max_upload_files=8,
                                upload_sweep_interval_s=0.5)
     yield server
@@ -119,11 +120,11 @@ def test_a_tenant_s_staged_bytes_are_bounded(live: LiveServer) -> None:
 
 
 def test_open_uploads_and_files_per_upload_are_bounded(live: LiveServer) -> None:
-    for _ in range(6):
+    for _ in range(8):
         assert _start(live, "other").status_code == 200
     refused = _start(live, "other")
     assert (refused.status_code, refused.json()["error_type"]) == (429, "too_many_uploads"), refused.text
-    assert refused.json()["error"].startswith("tenant 'other' has 6 uploads open")
+    assert refused.json()["error"].startswith("tenant 'other' has 8 uploads open")
     assert "Retry-After" in refused.headers
     files = [f"checkpoint-{n}/adapter_config.json" for n in range(6)]
     too_many = _start(live, files=files)
@@ -131,11 +132,29 @@ def test_open_uploads_and_files_per_upload_are_bounded(live: LiveServer) -> None
     _still_serving(live)
 
 
-def _wait_until_gone(path: Path) -> None:
+def _wait_until(condition: Callable[[], bool], what: str) -> None:
     deadline = time.monotonic() + 20
-    while path.exists():
-        assert time.monotonic() < deadline, f"{path} was not swept"
-        time.sleep(0.1)
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def _wait_until_gone(path: Path) -> None:
+    _wait_until(lambda: not path.exists(), f"{path} was not swept")
+
+
+def test_a_put_cut_short_stages_nothing_and_holds_nothing(live: LiveServer, caplog: pytest.LogCaptureFixture) -> None:
+    start = _start(live, files=["tokenizer.json"]).json()
+    parts = urlsplit(start["presignedUrls"]["tokenizer.json"])
+    staging = live.state.adapters.staging
+    with socket.create_connection((parts.hostname, parts.port)) as connection:
+        connection.sendall(f"PUT {parts.path}?{parts.query} HTTP/1.1\r\nHost: test\r\n"
+                           "Transfer-Encoding: chunked\r\n\r\n4\r\n{}{}\r\n".encode())
+        _wait_until(lambda: staging.reserved("demo", start["uploadToken"]) > 0, "the PUT was not admitted")
+    _wait_until(lambda: staging.reserved("demo") == 0, "the PUT's reservation was not released")
+    assert live.state.adapters.registry.blobs.list(f"uploads/{start['uploadToken']}") == {}
+    assert "unhandled error" not in caplog.text
+    _still_serving(live)
 
 
 def test_uploads_expired_before_the_start_and_while_serving_are_swept(live: LiveServer) -> None:

@@ -29,7 +29,7 @@ from numbers import Real
 
 import torch
 
-from lora_runtime.adapters.weights import MODULE_NAMES, LoraModuleWeights, LoraWeights, ModuleKey
+from lora_runtime.adapters.weights import MODULE_NAMES, LoraModuleWeights, LoraWeights, ModuleKey, unbounded_module
 from lora_runtime.errors import AdapterIncompatibleError, ValidationError
 
 MERGE_STRATEGIES = ("linear", "ties", "dare_linear", "dare_ties")
@@ -123,7 +123,8 @@ def merge_lora_weights(
 
     Raises:
         AdapterIncompatibleError: adapters that share a module with different ranks there, or
-            merged factors that overflow fp32 (huge values in the adapters times the weights).
+            merged factors that overflow fp32 or `weights.MAX_DELTA_NORM` (large adapters times
+            large weights).
     """
     assert len(adapters) == len(spec.ids)
     # As in PEFT, a single adapter is only ever scaled: pruning needs something to merge with.
@@ -141,8 +142,8 @@ def merge_lora_weights(
         merge_args = (strategy, spec.density, spec.majority_sign_method, generator)
         lora_a = _merge_factor([module.lora_a for module, _ in present], weights_a, *merge_args)
         lora_b = _merge_factor([module.lora_b for module, _ in present], weights_b, *merge_args)
-        _check_finite(key, lora_a, lora_b)
         modules[key] = LoraModuleWeights(lora_a, lora_b, 1.0)
+    _check_bounded(modules)
     return LoraWeights(modules, adapters[0].base_model_name)
 
 
@@ -163,14 +164,16 @@ def _check_equal_ranks(
         )
 
 
-def _check_finite(key: ModuleKey, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
-    # Loaded factors are finite, but finite factors times weights within the bound can still
-    # overflow fp32 when an adapter holds huge values; refuse before any slot or forward sees inf.
-    if not (torch.isfinite(lora_a).all() and torch.isfinite(lora_b).all()):
-        layer_idx, name = key
+def _check_bounded(modules: dict[ModuleKey, LoraModuleWeights]) -> None:
+    # Loaded factors are bounded, but a weighted sum of up to MAX_MERGED_ADAPTERS of them can leave
+    # the bound (or overflow fp32 when an adapter holds huge values): refuse before any page or
+    # forward pass sees it, by the same rule as a loaded adapter's.
+    found = unbounded_module(modules)
+    if found is not None:
+        (layer_idx, name), what = found
         raise AdapterIncompatibleError(
-            f"merged_adapters.weights: the merged factors of layer {layer_idx} {name} overflow; "
-            f"these adapters cannot be merged with these weights"
+            f"merged_adapters.weights: the merged factors of layer {layer_idx} {name} overflow: they hold "
+            f"{what}; these adapters cannot be merged with these weights"
         )
 
 

@@ -30,6 +30,7 @@ from lora_runtime.adapters.weights import (
     LoraModuleWeights,
     LoraWeights,
     ModuleKey,
+    unbounded_module,
 )
 from lora_runtime.errors import AdapterIncompatibleError, AdapterInvalidError
 
@@ -57,7 +58,8 @@ def load_peft_adapter(
     """Read, validate and return the adapter stored in `directory`.
 
     Raises:
-        AdapterInvalidError: missing or corrupt files, unsupported PEFT features (named).
+        AdapterInvalidError: missing or corrupt files, unsupported PEFT features (named), values
+            that are not finite or an update over `weights.MAX_DELTA_NORM` (the module named).
         AdapterIncompatibleError: shapes that do not fit `base_shape`, rank or size over `limits`.
     """
     config = read_adapter_config(directory)
@@ -66,6 +68,7 @@ def load_peft_adapter(
     modules = {key: _module_weights(config, path, a, b) for key, (path, a, b) in factors.items()}
     weights = LoraWeights(modules, config.get("base_model_name_or_path"))
     check_fits(weights, base_shape, limits)
+    _check_bounded(weights)
     return weights
 
 
@@ -155,12 +158,20 @@ def _describe_unsupported_key(key: str) -> str:
 
 
 def _check_tensor(key: str, tensor: torch.Tensor) -> None:
+    """Its shape and dtype; its values are checked with all the others' (`_check_bounded`)."""
     if tensor.dim() != 2 or tensor.dtype not in _FLOAT_DTYPES:
         raise AdapterInvalidError(
             f"weights: {key!r} must be a 2-D float tensor, got {tuple(tensor.shape)} {tensor.dtype}"
         )
-    if not torch.isfinite(tensor).all():
-        raise AdapterInvalidError(f"weights: {key!r} holds NaN or infinite values")
+
+
+def _check_bounded(weights: LoraWeights) -> None:
+    """Refuse values that are not finite or a module whose update could exceed the bound
+    (`weights.MAX_DELTA_NORM`): one rule for every source, since every one reads adapters here."""
+    found = unbounded_module(weights.modules)
+    if found is not None:
+        (layer_idx, module), what = found
+        raise AdapterInvalidError(f"weights: layer {layer_idx} {module} holds {what}")
 
 
 def _module_weights(

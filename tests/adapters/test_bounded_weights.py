@@ -1,0 +1,158 @@
+"""An adapter's update is bounded at the door: one whose weights are all 1e30 (finite, so a NaN check
+alone passes it; every request on it then failed with torch's text) is refused with one 422
+`adapter_invalid` message naming the module, whichever way it arrives: the `local`, `hub` (on loopback)
+and `s3` (moto on loopback) sources and an upload's check. Merges cannot leave the bound either. The
+bound itself (`weights.MAX_DELTA_NORM`) is checked at its edge against the dense product."""
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import kernels
+from lora_runtime.adapters.manager import AdapterManager
+from lora_runtime.adapters.merge import MergedAdapters, merge_lora_weights
+from lora_runtime.adapters.peft_format import SAFETENSORS_FILE, load_peft_adapter
+from lora_runtime.adapters.refs import AdapterRequest, Caller, parse_adapter_ref
+from lora_runtime.adapters.sources.download import ADAPTER_FILES, AdapterStore
+from lora_runtime.adapters.weights import (
+    MAX_DELTA_NORM,
+    AdapterLimits,
+    BaseModelShape,
+    LoraModuleWeights,
+    LoraWeights,
+    unbounded_module,
+)
+from lora_runtime.config import AdapterConfig
+from lora_runtime.errors import AdapterIncompatibleError, AdapterInvalidError
+from server.adapter_sources import build_adapter_sources
+from server.config import ServerConfig
+from server.registry.blobs import LocalBlobStore
+from server.registry.layout import read_layout
+from server.registry.source import PbaseResolver
+from tests.fixtures.adapters import BASE_MODEL_NAME, TINY_LLAMA, make_lora_adapter, read_file_bytes
+from tests.fixtures.hub_server import HubRepo, HubServer
+from tests.fixtures.s3_server import s3_server
+
+BASE_SHAPE = BaseModelShape.from_hf_config(BASE_MODEL_NAME, TINY_LLAMA)
+HOSTILE_VALUE = 1e30
+
+
+def _hostile_adapter(directory: Path) -> Path:
+    """A real PEFT adapter (config and key names as PEFT saves them) whose every weight is 1e30."""
+    make_lora_adapter(directory, seed=1)
+    tensors = load_file(directory / SAFETENSORS_FILE)
+    save_file({key: torch.full_like(value, HOSTILE_VALUE) for key, value in tensors.items()},
+              directory / SAFETENSORS_FILE)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def hub() -> Iterator[HubServer]:
+    server = HubServer().start()
+    yield server
+    server.stop()
+
+
+def _manager(tmp_path: Path, hub: HubServer) -> AdapterManager:
+    """The engine's adapter manager with the sources the server builds for an operator's config."""
+    config = ServerConfig(data_dir=tmp_path, hub_endpoint=hub.endpoint, s3_endpoint=s3_server().endpoint_url,
+                          adapter_dir=tmp_path / "local")
+    store = AdapterStore(tmp_path / "store")
+    pbase = PbaseResolver(sessions=None, blobs=LocalBlobStore(tmp_path / "blobs"), store=store)
+    return AdapterManager(AdapterConfig(), BASE_SHAPE, kernels.backend_for("cpu"), torch.float32,
+                          build_adapter_sources(config, pbase, store))
+
+
+def _engine_refusal(manager: AdapterManager, adapter_id: str, source: str) -> AdapterInvalidError:
+    request = AdapterRequest(parse_adapter_ref(adapter_id, source, allow_local=True), Caller(scope="demo"))
+    error = manager.acquire(request).load.exception(timeout=60)
+    assert isinstance(error, AdapterInvalidError), repr(error)
+    return error
+
+
+def _upload_refusal(adapter: Path, upload_dir: Path) -> AdapterInvalidError:
+    """What finishing an upload of the adapter's files answers (the server validates with
+    `load_peft_adapter`, as `server.adapter_sources.adapter_services` does)."""
+    upload_dir.mkdir()
+    for name in ADAPTER_FILES:
+        if (adapter / name).is_file():
+            shutil.copy(adapter / name, upload_dir / name)
+    with pytest.raises(AdapterInvalidError) as refused:
+        read_layout(upload_dir, lambda directory: load_peft_adapter(directory, BASE_SHAPE, AdapterLimits()))
+    return refused.value
+
+
+def test_a_1e30_adapter_is_refused_by_every_source_with_one_message(
+    hub: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    adapter = _hostile_adapter(tmp_path / "local" / "team" / "huge")
+    files = {name: data for name, data in read_file_bytes(adapter).items() if name in ADAPTER_FILES}
+    hub.repos["org/huge"] = HubRepo("public")
+    hub.repos["org/huge"].add_commit(files)
+    s3 = s3_server()
+    s3.use_credentials(monkeypatch)
+    client = s3.client()
+    client.create_bucket(Bucket="hostile-adapters")
+    for name, data in files.items():
+        client.put_object(Bucket="hostile-adapters", Key=f"huge/{name}", Body=data)
+    manager = _manager(tmp_path, hub)
+    try:
+        errors = {"local": _engine_refusal(manager, "team/huge", "local"),
+                  "hub": _engine_refusal(manager, "org/huge", "hub"),
+                  "s3": _engine_refusal(manager, "s3://hostile-adapters/huge", "s3"),
+                  "upload": _upload_refusal(adapter, tmp_path / "upload")}
+    finally:
+        manager.close()
+    messages = {source: error.message for source, error in errors.items()}
+    assert len(set(messages.values())) == 1, messages
+    message = messages["local"]
+    assert message.startswith("weights: layer 0 q_proj holds an update"), message
+    assert f"{MAX_DELTA_NORM:g}" in message and "\n" not in message, message
+    assert all(error.status_code == 422 and error.error_type == "adapter_invalid" for error in errors.values())
+
+
+def _module(norm_a: float, norm_b: float, scale: float = 2.0, rank: int = 4) -> LoraModuleWeights:
+    """Rank-one factors of the given Frobenius norms (so the bound is the update's exact norm)."""
+    lora_a, lora_b = torch.zeros(rank, 16), torch.zeros(32, rank)
+    lora_a[0, 3], lora_b[5, 0] = norm_a, norm_b
+    return LoraModuleWeights(lora_a, lora_b, scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_bound_holds_at_its_edge_and_against_the_dense_update(dtype: torch.dtype) -> None:
+    inside, outside = _module(50.0, 0.99 * MAX_DELTA_NORM / 100), _module(50.0, 1.01 * MAX_DELTA_NORM / 100)
+    for module in (inside, outside):
+        module = LoraModuleWeights(module.lora_a.to(dtype), module.lora_b.to(dtype), module.scale)
+        dense_norm = torch.linalg.matrix_norm(module.delta_weight().double(), 2).item()
+        found = unbounded_module({(0, "q_proj"): module})
+        assert (found is None) == (dense_norm <= MAX_DELTA_NORM), (dense_norm, found)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_values_that_are_not_finite_are_named(value: float) -> None:
+    module = _module(1.0, 1.0)
+    module.lora_b[7, 1] = value
+    modules = {(0, "q_proj"): _module(1.0, 1.0), (1, "down_proj"): module}
+    assert unbounded_module(modules) == ((1, "down_proj"), "NaN or infinite values")
+
+
+def test_a_factor_alone_over_the_bound_is_refused() -> None:
+    """s * B stored in float16 pages overflows long before the product does when A is tiny."""
+    assert unbounded_module({(0, "v_proj"): _module(1e-6, 1e6, scale=1.0)}) is not None
+
+
+def test_a_merge_of_bounded_adapters_cannot_build_an_unbounded_update() -> None:
+    """Each adapter at half the bound; merged with itself its update is (sqrt(w1) + sqrt(w2))^2 times
+    its own (merge.py): 0.4x within the bound at weights 0.1, 400x at weights 100 (the largest allowed)."""
+    half = LoraWeights({(0, "q_proj"): _module(50.0, MAX_DELTA_NORM / 200)})
+    assert unbounded_module(half.modules) is None
+    small = merge_lora_weights([half, half], MergedAdapters(["x", "y"], [0.1, 0.1]))
+    assert unbounded_module(small.modules) is None
+    with pytest.raises(AdapterIncompatibleError, match=r"^merged_adapters.weights: .*layer 0 q_proj overflow") as refused:
+        merge_lora_weights([half, half], MergedAdapters(["x", "y"], [100.0, 100.0]))
+    assert f"{MAX_DELTA_NORM:g}" in refused.value.message and refused.value.status_code == 422

@@ -140,7 +140,8 @@ class S3BlobStore(BlobStore):
         full = f"{self._key(prefix)}/"
         paginator = self._client.get_paginator("list_objects_v2")
         pages = list(paginator.paginate(Bucket=self.bucket, Prefix=full, Delimiter="/"))
-        names = {common["Prefix"][len(full) :].rstrip("/") for page in pages for common in page.get("CommonPrefixes", [])}
+        folders = [common["Prefix"] for page in pages for common in page.get("CommonPrefixes", [])]
+        names = {folder[len(full) :].rstrip("/") for folder in folders}
         return names | {obj["Key"][len(full) :] for page in pages for obj in page.get("Contents", [])}
 
     def get_file(self, key: str, path: Path) -> None:

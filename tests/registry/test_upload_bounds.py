@@ -70,7 +70,8 @@ def test_an_upload_names_a_bounded_number_of_files_and_checkpoints(registry: Ada
 def test_each_file_is_bounded_by_its_kind(registry: AdapterRegistry, peft_files: dict[str, dict[str, bytes]]) -> None:
     uploads = _service(registry, weights_max_bytes=4096)
     urls = uploads.start_upload("t1", "alice", "news", files=["tokenizer.json"]).presigned_urls
-    with pytest.raises(PayloadTooLargeError, match=f"^adapter_config.json: an adapter config holds at most {CONFIG_MAX_BYTES}"):
+    config_refusal = f"^adapter_config.json: an adapter config holds at most {CONFIG_MAX_BYTES}"
+    with pytest.raises(PayloadTooLargeError, match=config_refusal):
         put_via_url(uploads, urls["adapter_config.json"], b" " * (CONFIG_MAX_BYTES + 1))
     with pytest.raises(PayloadTooLargeError, match="^adapter_model.bin: adapter weights .* at most 4096 bytes"):
         put_via_url(uploads, urls["adapter_model.bin"], b"\0" * 4097)
@@ -89,11 +90,13 @@ def test_an_upload_and_a_tenant_stage_bounded_bytes(registry: AdapterRegistry) -
     first = uploads.start_upload("t1", "alice", "news", files=["tokenizer.json", "vocab.json"]).presigned_urls
     put_via_url(uploads, first["tokenizer.json"], b"x" * 6000)
     put_via_url(uploads, first["tokenizer.json"], b"x" * 6000)  # a file PUT again replaces its staged copy
-    with pytest.raises(PayloadTooLargeError, match="^vocab.json: the files of one upload together hold at most 10000 bytes, 6000"):
+    upload_refusal = "^vocab.json: the files of one upload together hold at most 10000 bytes, 6000"
+    with pytest.raises(PayloadTooLargeError, match=upload_refusal):
         put_via_url(uploads, first["vocab.json"], b"x" * 4001)
     put_via_url(uploads, first["vocab.json"], b"x" * 4000)
     second = uploads.start_upload("t1", "alice", "other", files=["tokenizer.json"]).presigned_urls
-    with pytest.raises(PayloadTooLargeError, match="^tokenizer.json: the staged files of tenant 't1'.* 15000 bytes, 10000"):
+    tenant_refusal = "^tokenizer.json: the staged files of tenant 't1'.* 15000 bytes, 10000"
+    with pytest.raises(PayloadTooLargeError, match=tenant_refusal):
         put_via_url(uploads, second["tokenizer.json"], b"x" * 5001)
     another_tenant = uploads.start_upload("t2", "bob", "news", files=["tokenizer.json"]).presigned_urls
     assert put_via_url(uploads, another_tenant["tokenizer.json"], b"x" * 9000) == 9000
@@ -137,7 +140,9 @@ def test_a_tenant_has_a_bounded_number_of_open_uploads(
     uploads.start_upload("t1", "alice", "news")  # a finished upload is no longer open
 
 
-def test_a_finished_upload_takes_no_more_files(registry: AdapterRegistry, peft_files: dict[str, dict[str, bytes]]) -> None:
+def test_a_finished_upload_takes_no_more_files(
+    registry: AdapterRegistry, peft_files: dict[str, dict[str, bytes]]
+) -> None:
     uploads = _service(registry)
     start = uploads.start_upload("t1", "alice", "news")
     for name, data in adapter_only(peft_files["a"]).items():

@@ -19,8 +19,8 @@ class KVCacheConfig:
     adapter, same weights) computes only the rest (`lora_runtime/prefix_cache.py`). Blocks are
     reused only within a request's `CacheScope`: its tenant, and its `cache_salt` when it sends one.
 
-    `share_base_prefix_cache`: the base model's blocks are shared by all tenants (adapters' never
-    are), for tenants that trust each other: a prompt sent by one is then cheaper for the others, and
+    `share_base_prefix_cache`: the base model's blocks are shared by all tenants (those of adapters
+    and of salted requests never are), for tenants that trust each other: a prompt sent by one is then cheaper for the others, and
     any tenant can tell, from `cached_tokens` or the time to the first token, whether another has
     sent a given prefix (a system prompt, a document, a secret guessed block by block)."""
 

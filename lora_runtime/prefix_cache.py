@@ -12,8 +12,9 @@ and never shares a block. Only a SHA-256 collision could alias two blocks.
 Whose blocks a request may reuse is part of the root too (`CacheScope`): its tenant and its
 `cache_salt`. A hit is visible to the caller (`cached_tokens`, and the time to the first token), so
 a chain shared across tenants would let any tenant test, block by block, whether another has sent
-a given prefix. The base model's chain drops the tenant only when the operator says its tenants
-trust each other (`KVCacheConfig.share_base_prefix_cache`); the salt always stays.
+a given prefix. An unsalted base-model chain drops the tenant only when the operator says its
+tenants trust each other (`KVCacheConfig.share_base_prefix_cache`); a salted chain never does, so a
+salt guessed by another tenant still finds nothing.
 """
 from __future__ import annotations
 
@@ -29,9 +30,10 @@ from lora_runtime.core import CacheScope
 def kv_identity(key: AdapterKey | None, load_serial: int | None, scope: CacheScope,
                 share_base_across_tenants: bool = False) -> bytes:
     """The root of a request's block chain: its scope (tenant, salt), then the base model, or its
-    adapter's key and weights' load. With `share_base_across_tenants`, the base model's root names
-    no tenant, so every tenant's base-model requests (with the same salt, or none) share blocks."""
-    tenant = "" if key is None and share_base_across_tenants else scope.tenant
+    adapter's key and weights' load. With `share_base_across_tenants`, an unsalted base-model root
+    names no tenant, so every tenant's unsalted base-model requests share blocks."""
+    is_shared = key is None and scope.salt is None and share_base_across_tenants
+    tenant = "" if is_shared else scope.tenant
     model = ["base"] if key is None else [
         "adapter", key.source, key.scope, key.credential, key.version, key.adapter_id, load_serial]
     return hashlib.sha256(json.dumps([tenant, scope.salt, *model]).encode()).digest()

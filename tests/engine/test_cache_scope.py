@@ -61,10 +61,12 @@ def test_the_root_names_the_tenant_and_the_salt_for_the_base_model_too() -> None
     assert kv_identity(None, None, CacheScope("a", salt="b")) != kv_identity(None, None, CacheScope("ab"))
 
 
-def test_sharing_the_base_model_drops_the_tenant_of_base_roots_only() -> None:
+def test_sharing_the_base_model_drops_the_tenant_of_unsalted_base_roots_only() -> None:
     assert kv_identity(None, None, A, True) == kv_identity(None, None, B, True)
     salted = CacheScope("tenant-a", salt="s1")
     assert kv_identity(None, None, salted, True) != kv_identity(None, None, A, True)
+    # A salt another tenant guessed finds nothing: salted roots keep their tenant.
+    assert kv_identity(None, None, salted, True) != kv_identity(None, None, CacheScope("tenant-b", salt="s1"), True)
     key = AdapterKey("local", "", "", "", "french")  # an adapter key naming no tenant (the library's)
     assert kv_identity(key, 1, A, True) != kv_identity(key, 1, B, True)
 
@@ -112,7 +114,8 @@ def test_a_shared_base_model_cache_shares_across_tenants_but_never_an_adapters(s
     assert _cached_tokens(sharing, prompt, A) == 0
     assert _cached_tokens(sharing, prompt, B) > 200
     assert _cached_tokens(sharing, prompt, CacheScope("tenant-b", salt="s1")) == 0  # a salt still isolates
-    assert _cached_tokens(sharing, prompt, CacheScope("tenant-a", salt="s1")) > 200  # the same salt shares
+    assert _cached_tokens(sharing, prompt, CacheScope("tenant-b", salt="s1")) > 200  # the same salt shares
+    assert _cached_tokens(sharing, prompt, CacheScope("tenant-a", salt="s1")) == 0  # in its tenant only
     assert _cached_tokens(sharing, prompt, A, _adapter("tenant-a")) == 0
     assert _cached_tokens(sharing, prompt, B, _adapter("tenant-b")) == 0
 

@@ -107,6 +107,7 @@ def test_with_the_base_model_shared_other_tenants_hit_and_are_told(sharing) -> N
     assert _tgi_cached(sharing, "other", text) > 300
     assert _chat_cached(sharing, "demo", _document("shared chat")) > 300
     assert _tgi_cached(sharing, "other", text, cache_salt=SECRET) == 0  # a salt still isolates
+    assert _tgi_cached(sharing, "demo", text, cache_salt=SECRET) == 0  # in its tenant only, when guessed
 
 
 BAD_SALTS = {"empty": "", "too-long": "s" * 257, "number": 5}

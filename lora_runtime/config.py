@@ -20,9 +20,10 @@ class KVCacheConfig:
     reused only within a request's `CacheScope`: its tenant, and its `cache_salt` when it sends one.
 
     `share_base_prefix_cache`: the base model's blocks are shared by all tenants (those of adapters
-    and of salted requests never are), for tenants that trust each other: a prompt sent by one is then cheaper for the others, and
-    any tenant can tell, from `cached_tokens` or the time to the first token, whether another has
-    sent a given prefix (a system prompt, a document, a secret guessed block by block)."""
+    and of salted requests never are), for tenants that trust each other: a prompt sent by one is
+    then cheaper for the others, and any tenant can tell, from `cached_tokens` or the time to the
+    first token, whether another has sent a given prefix (a system prompt, a document, a secret
+    guessed block by block)."""
 
     block_size_tokens: int = 16
     num_blocks: int | None = None

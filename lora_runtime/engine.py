@@ -27,14 +27,14 @@ from lora_runtime.device_memory import sized_for_device
 from lora_runtime.core import CacheScope, Request, RequestOutput, RequestStatus, SamplingParams
 from lora_runtime.embedded import EMBEDDED_MODEL_NAME, ensure_embedded_model
 from lora_runtime.engine_info import EngineInfo
-from lora_runtime.errors import EngineError, ValidationError
+from lora_runtime.errors import EngineError, NonFiniteLogitsError, ValidationError
 from lora_runtime.kv_cache import KVCacheManager
 from lora_runtime.loader import load_model
 from lora_runtime.model_runner import ModelRunner, ModelRunnerOutput
 from lora_runtime.prefix_cache import kv_identity
 from lora_runtime.models.llama import LlamaModel
 from lora_runtime.request_state import RequestState
-from lora_runtime.sampling.sampler import Sampler, TokenizerInfo, TopPairs, top_tokens
+from lora_runtime.sampling.sampler import SampleResult, Sampler, TokenizerInfo, TopPairs, top_tokens
 from lora_runtime.scheduler import Scheduler
 from lora_runtime.validation import prepare_prompt
 
@@ -267,14 +267,12 @@ class Engine:
         (Rows redrawn alone after a failure inside the batch's draws may not repeat their seeded
         draws; the batch raises before drawing in every failure we know of: the processors run first.)"""
         try:
-            result = self.sampler.sample(logits, [state.sampling for state in states])
-            return list(zip(result.token_ids, result.logprobs, result.top))
+            return _samples_of(self.sampler.sample(logits, [state.sampling for state in states]))
         except Exception:
             samples: list[tuple[int, float, TopPairs] | Exception] = []
             for row, state in enumerate(states):
                 try:
-                    result = self.sampler.sample(logits[row : row + 1], [state.sampling])
-                    samples.append((result.token_ids[0], result.logprobs[0], result.top[0]))
+                    samples.extend(_samples_of(self.sampler.sample(logits[row : row + 1], [state.sampling])))
                 except Exception as error:
                     samples.append(error)
             return samples
@@ -365,6 +363,12 @@ class Engine:
                 if output.finished:
                     final[output.request_id] = output
         return [final[request_id] for request_id in ids]
+
+
+def _samples_of(result: SampleResult) -> list[tuple[int, float, TopPairs] | Exception]:
+    """Each row's (token, logprob, top tokens), or the error of a row whose scores were not finite."""
+    return [(token_id, logprob, top) if finite else NonFiniteLogitsError()
+            for token_id, logprob, top, finite in zip(result.token_ids, result.logprobs, result.top, result.finite)]
 
 
 def _broadcast_params(params, count: int) -> list[SamplingParams]:

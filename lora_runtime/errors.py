@@ -62,6 +62,16 @@ class AdapterUnavailableError(EngineError):
     status_code = 424
 
 
+class NonFiniteLogitsError(EngineError):
+    """The model's scores for a request's next token were NaN or infinite (an adapter whose update
+    overflows the forward pass, say): that request stops, the others of its batch go on. The wire's
+    `generation` failure (424), with this message rather than torch's."""
+
+    def __init__(self) -> None:
+        super().__init__("generation stopped: the model's scores for the next token are NaN or infinite "
+                         "(the forward pass overflowed, most likely from the adapter's weights)")
+
+
 class RequestAbortedError(EngineError):
     """The request was cancelled (client gone, shutdown) before it finished."""
 

@@ -168,6 +168,8 @@ class SampleResult:
     token_ids: list[int]  # [num_rows]
     logprobs: list[float]  # [num_rows]
     top: list[TopPairs]  # [num_rows]
+    # [num_rows]: False where the row's scores were NaN or infinite (its token and logprob mean nothing)
+    finite: list[bool]
 
 
 class Sampler:
@@ -183,24 +185,33 @@ class Sampler:
         # Greedy for every row (sampled rows are replaced below), and the log-softmax normaliser of
         # each row for the chosen token's logprob, both in float32.
         _, token_ids, log_normaliser = kernels.backend_for(scores.device).max_logsumexp(scores)
+        # A row holding a NaN or +inf (or nothing but -inf) has no finite normaliser: its token is
+        # meaningless (the greedy index may even lie past the vocabulary), so it draws token 0 instead
+        # of failing the batch with torch's text, and the engine fails that request alone by `finite`.
+        finite = torch.isfinite(log_normaliser)  # [num_rows]
+        token_ids = torch.where(finite, token_ids, 0)
         sampled_rows = [i for i, state in enumerate(states) if state.is_sampling]
         if sampled_rows:
             token_ids = token_ids.cpu()
             probs = torch.softmax(scores[sampled_rows].float(), dim=-1).cpu()  # [num_sampled, vocab]
-            for row, row_probs in zip(sampled_rows, probs):
-                token_ids[row] = torch.multinomial(row_probs, 1, generator=states[row].generator)[0]
+            for row, row_probs, row_finite in zip(sampled_rows, probs, finite[sampled_rows].tolist()):
+                if row_finite:
+                    token_ids[row] = torch.multinomial(row_probs, 1, generator=states[row].generator)[0]
         chosen = scores.gather(1, token_ids.to(scores.device)[:, None])[:, 0].float() - log_normaliser
         top = _top_of_rows(scores, log_normaliser, [state.params.top_logprobs for state in states])
-        token_list, logprob_list = _read_tokens_and_logprobs(token_ids, chosen)
-        return SampleResult(token_ids=token_list, logprobs=logprob_list, top=top)
+        token_list, logprob_list, finite_list = _read_rows(token_ids, chosen, finite)
+        return SampleResult(token_ids=token_list, logprobs=logprob_list, top=top, finite=finite_list)
 
 
-def _read_tokens_and_logprobs(token_ids: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
-    """token_ids [num_rows] and logprobs [num_rows] float32 to the host in one read: on a GPU each
-    read waits for the device, and this is the one read a greedy step needs. Both fit float64 exactly
-    (ids < 2**53, float32 values)."""
-    ids, values = torch.stack([token_ids.to(logprobs.device, torch.float64), logprobs.double()]).tolist()
-    return [int(token_id) for token_id in ids], values
+def _read_rows(token_ids: torch.Tensor, logprobs: torch.Tensor,
+               finite: torch.Tensor) -> tuple[list[int], list[float], list[bool]]:
+    """token_ids [num_rows], logprobs [num_rows] float32 and finite [num_rows] bool to the host in
+    one read: on a GPU each read waits for the device, and this is the one read a greedy step needs.
+    All fit float64 exactly (ids < 2**53, float32 values, 0 and 1)."""
+    device = logprobs.device
+    ids, values, flags = torch.stack(
+        [token_ids.to(device, torch.float64), logprobs.double(), finite.to(device, torch.float64)]).tolist()
+    return [int(token_id) for token_id in ids], values, [flag == 1.0 for flag in flags]
 
 
 def _top_of_rows(scores: torch.Tensor, log_normaliser: torch.Tensor, counts: Sequence[int]) -> list[TopPairs]:

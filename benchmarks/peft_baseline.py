@@ -12,9 +12,9 @@ from benchmarks.timing import Timer
 RANKS = (8, 16, 32, 64)
 
 
-def make_random_adapters(model_dir: Path, root: Path, count: int, targets: str) -> list[Path]:
-    """`count` PEFT LoRA adapters with non-zero B factors on `targets` (comma-separated module names
-    or `all-linear`), saved under `root` (reused if present)."""
+def make_random_adapters(model_dir: Path, root: Path, count: int, targets: str, b_std: float = 0.01) -> list[Path]:
+    """`count` PEFT LoRA adapters with B factors ~N(0, b_std) on `targets` (comma-separated module
+    names or `all-linear`), saved under `root` (reused if present)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -31,7 +31,7 @@ def make_random_adapters(model_dir: Path, root: Path, count: int, targets: str) 
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if "lora_B" in name:
-                    param.copy_(torch.randn(param.shape, generator=generator) * 0.01)
+                    param.copy_(torch.randn(param.shape, generator=generator) * b_std)
         model.save_pretrained(str(path), save_embedding_layers=False)
     return paths
 

@@ -120,9 +120,18 @@ class AdapterPageTensors:
         shape = self.shapes[module]
         lora_a = torch.zeros(self.num_layers, rank, shape.in_features)
         lora_b = torch.zeros(self.num_layers, shape.out_features, rank)
-        for layer in range(self.num_layers):
-            factors = weights.modules.get((layer, module))
-            if factors is not None:
+        present = {layer: weights.modules[layer, module] for layer in range(self.num_layers)
+                   if (layer, module) in weights.modules}
+        # The layers at the module's full rank (usually all) in a few whole-tensor ops: a loader
+        # thread waits for the GIL again after every torch call, so not a few calls per layer.
+        full = [layer for layer, factors in present.items() if factors.rank == rank]
+        if full:
+            layers = torch.tensor(full)
+            scales = torch.tensor([present[layer].scale for layer in full]).view(-1, 1, 1)  # float32, as `* scale`
+            lora_a[layers] = torch.stack([present[layer].lora_a for layer in full]).float()
+            lora_b[layers] = torch.stack([present[layer].lora_b for layer in full]).float() * scales
+        for layer, factors in present.items():
+            if factors.rank < rank:
                 lora_a[layer, : factors.rank] = factors.lora_a
                 lora_b[layer, :, : factors.rank] = factors.lora_b.float() * factors.scale
         return lora_a, lora_b

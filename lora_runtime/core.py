@@ -57,6 +57,8 @@ class SamplingParams:
     watermark: bool = False
     schema: str | None = None
     regex: str | None = None
+    # A grammar in llguidance's Lark dialect (the OpenAI routes' tool calls); not on the TGI wire.
+    lark_grammar: str | None = None
     top_logprobs: int = 0
     apply_chat_template: bool = False
 
@@ -101,6 +103,8 @@ class SamplingParams:
             raise ValidationError("penalty_counts", f"must be one of {', '.join(PENALTY_COUNTS)}")
 
     def _check_regex(self) -> None:
+        if self.lark_grammar is not None and (self.schema is not None or self.regex is not None):
+            raise ValidationError("lark_grammar", "give one of a schema, a regex or a Lark grammar")
         if self.regex is None:
             return
         if not isinstance(self.regex, str):

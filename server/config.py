@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+# --tool-call-format's values: "auto" and lora_runtime.sampling.tools.TOOL_CALL_FORMATS' names (spelt
+# out here: the CLI does not import the engine's modules, which import torch).
+TOOL_CALL_FORMAT_CHOICES = ("auto", "hermes", "mistral")
 # The adapters registered for tenant `demo` on a first start: `demo_adapters/<name>/` of this repo.
 DEFAULT_DEMO_ADAPTERS_DIR = Path(__file__).resolve().parents[1] / "demo_adapters"
 
@@ -37,6 +40,9 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20
     # Caps max_new_tokens below the context length when set (operators use it to bound latency).
     max_new_tokens_limit: int | None = None
+    # How models write tool calls (lora_runtime.sampling.tools): "auto" picks it from the base
+    # model's chat template, else "hermes" or "mistral".
+    tool_call_format: str = "auto"
     keepalive_s: float = 15.0
     retry_after_s: int = 1
     shutdown_deadline_s: float = 30.0
@@ -64,6 +70,8 @@ class ServerConfig:
             raise ValueError("max_in_flight must be >= 1")
         if self.max_body_bytes < 1:
             raise ValueError("max_body_bytes must be >= 1")
+        if self.tool_call_format not in TOOL_CALL_FORMAT_CHOICES:
+            raise ValueError(f"tool_call_format must be one of {', '.join(TOOL_CALL_FORMAT_CHOICES)}")
         if self.metrics_max_adapters < 0:
             raise ValueError("metrics_max_adapters must be >= 0")
         upload_bounds = (self.max_upload_bytes, self.max_upload_files, self.max_open_uploads,

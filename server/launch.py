@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from server.config import ServerConfig
+from server.config import TOOL_CALL_FORMAT_CHOICES, ServerConfig
 from server.db import Database
 from server.tenancy import create_tenant, create_token, list_tenants
 
@@ -62,6 +62,10 @@ def add_service_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-max-adapters", type=int, default=_DEFAULTS.metrics_max_adapters,
                         help="adapters of each tenant counted in their own /metrics series; the "
                              "tenant's later ones share its (other) series")
+    parser.add_argument("--tool-call-format", choices=TOOL_CALL_FORMAT_CHOICES, default=_DEFAULTS.tool_call_format,
+                        help="how the model writes tool calls on the OpenAI chat route: hermes "
+                             "(<tool_call>{...}</tool_call>) or mistral ([TOOL_CALLS][...]); auto: "
+                             "from the base model's chat template, hermes when it names neither")
     adapters = parser.add_argument_group("adapters")
     adapters.add_argument("--hub-endpoint", default=None,
                           help="Hugging Face hub URL for hub adapters, e.g. https://huggingface.co "
@@ -114,7 +118,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         max_staged_upload_bytes=args.max_staged_upload_bytes,
                         upload_sweep_interval_s=args.upload_sweep_interval,
                         demo_adapters_dir=args.demo_adapters, metrics_tenant=args.metrics_tenant,
-                        metrics_max_adapters=args.metrics_max_adapters, metrics_port=args.metrics_port)
+                        metrics_max_adapters=args.metrics_max_adapters, metrics_port=args.metrics_port,
+                        tool_call_format=args.tool_call_format)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -1,11 +1,32 @@
 """apply_chat_template: `inputs` as a JSON list of {role, content} messages, or plain text as one
-user message, rendered with the generation prompt by the adapter's template or else the base model's."""
+user message, rendered with the generation prompt by the adapter's template or else the base model's.
+
+`inputs` may also be a JSON object {"messages": [...], "tools": [...], "tool_call_format": name}
+(the OpenAI routes' tool calling): a template that renders tools gets them as transformers'
+`apply_chat_template(tools=...)` passes them, with assistant `tool_calls` and `tool` results in the
+history; any other template gets them through `lora_runtime.sampling.tools`' system prompt, in the
+named format.
+"""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from typing import Any
 
 from lora_runtime.errors import ValidationError
+from lora_runtime.sampling.tools import (
+    TOOL_CALL_FORMATS,
+    check_tool_calls,
+    messages_for_plain_template,
+    template_knows_tools,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ChatInputs:
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    tool_call_format: str = "hermes"
 
 
 def render_chat_prompt(inputs: str, tokenizer: Any, adapter_chat_template: str | None = None) -> str:
@@ -13,24 +34,55 @@ def render_chat_prompt(inputs: str, tokenizer: Any, adapter_chat_template: str |
     template = adapter_chat_template or tokenizer.chat_template
     if not template:
         raise ValidationError("apply_chat_template", "neither the adapter nor the base model has a chat template")
+    chat = parse_chat_inputs(inputs)
+    messages, tools = chat.messages, chat.tools or None
+    if tools and not template_knows_tools(template):
+        messages, tools = messages_for_plain_template(messages, chat.tools,
+                                                      TOOL_CALL_FORMATS[chat.tool_call_format]), None
     return tokenizer.apply_chat_template(
-        parse_messages(inputs), chat_template=template, tokenize=False, add_generation_prompt=True
+        messages, tools=tools, chat_template=template, tokenize=False, add_generation_prompt=True
     )
 
 
-def parse_messages(inputs: str) -> list[dict[str, str]]:
-    """A JSON list is a message list and must be well formed; any other text is one user message."""
+def parse_chat_inputs(inputs: str) -> ChatInputs:
+    """A JSON list is a message list and must be well formed (so is the object form); any other
+    text is one user message."""
     try:
         document = json.loads(inputs)
     except json.JSONDecodeError:
         document = None
+    if isinstance(document, dict) and isinstance(document.get("messages"), list):
+        return _chat_with_tools(document)
     if not isinstance(document, list):
-        return [{"role": "user", "content": inputs}]
+        return ChatInputs([{"role": "user", "content": inputs}])
+    return ChatInputs(_checked_messages(document))
+
+
+def _chat_with_tools(document: dict[str, Any]) -> ChatInputs:
+    tools = document.get("tools") or []
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        raise ValidationError("inputs", "tools must be a list of objects")
+    fmt = document.get("tool_call_format", "hermes")
+    if fmt not in TOOL_CALL_FORMATS:
+        raise ValidationError("inputs", f"tool_call_format must be one of {', '.join(TOOL_CALL_FORMATS)}")
+    return ChatInputs(_checked_messages(document["messages"]), tools, fmt)
+
+
+def _checked_messages(document: list[Any]) -> list[dict[str, Any]]:
     if not document:
         raise ValidationError("inputs", "the message list is empty")
     for position, message in enumerate(document):
         _check_message(position, message)
-    return [{"role": m["role"], "content": m["content"]} for m in document]
+    return [_kept_fields(m) for m in document]
+
+
+def _kept_fields(message: dict[str, Any]) -> dict[str, Any]:
+    """role and content, and the tool-calling fields templates read when present."""
+    kept = {"role": message["role"], "content": message["content"]}
+    for key in ("tool_calls", "tool_call_id"):
+        if message.get(key) is not None:
+            kept[key] = message[key]
+    return kept
 
 
 def _check_message(position: int, message: object) -> None:
@@ -41,3 +93,4 @@ def _check_message(position: int, message: object) -> None:
             raise ValidationError("inputs", f"message {position} needs a string '{key}'")
     if not message["role"]:
         raise ValidationError("inputs", f"message {position} has an empty role")
+    check_tool_calls(message, position)

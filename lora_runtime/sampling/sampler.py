@@ -295,9 +295,12 @@ def _logit_bias_tensors(
 
 
 def _new_grammar_matcher(params: SamplingParams, info: TokenizerInfo) -> SchemaMatcher | None:
-    """The matcher of the request's schema or regex (never both: SamplingParams refuses it)."""
-    if params.schema is None and params.regex is None:
+    """The matcher of the request's schema, regex or grammar (at most one: SamplingParams checks)."""
+    if params.schema is None and params.regex is None and params.lark_grammar is None:
         return None
-    compiler = info.schema_compiler
-    grammar = compiler.compile(params.schema) if params.schema is not None else compiler.compile_regex(params.regex)
-    return compiler.new_matcher(grammar)
+    compiler = info.schema_compiler  # built on first use (~1 s)
+    if params.schema is not None:
+        return compiler.new_matcher(compiler.compile(params.schema))
+    if params.regex is not None:
+        return compiler.new_matcher(compiler.compile_regex(params.regex))
+    return compiler.new_matcher(compiler.compile_lark(params.lark_grammar))

@@ -1,5 +1,5 @@
-"""Constrained decoding with llguidance, for a JSON schema or a regex: compile once per request, mask
-every step. Both compile to an llguidance grammar and run on the same matcher.
+"""Constrained decoding with llguidance, for a JSON schema, a regex or a Lark grammar: compile once per
+request, mask every step. All compile to an llguidance grammar and run on the same matcher.
 
 Why llguidance rather than xgrammar (measured on SmolLM2-135M's tokenizer, 49152 ids, one CPU core,
 four schemas: objects with bounds, arrays, enums, nested objects):
@@ -26,7 +26,7 @@ from lora_runtime.errors import ValidationError
 
 # Compact separators with one space, no free whitespace: small models otherwise emit runs of
 # newlines inside documents and never close them. A schema's own "x-guidance" options override these.
-_JSON_OPTIONS: llguidance.JsonCompileOptions = {
+JSON_COMPILE_OPTIONS: llguidance.JsonCompileOptions = {
     "whitespace_flexible": False,
     "item_separator": ", ",
     "key_separator": ": ",
@@ -49,7 +49,7 @@ class SchemaCompiler:
         """Compile a JSON-schema document (text or object) to a grammar, or raise ValidationError."""
         document = _parse_schema(schema)
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(document, defaults=_JSON_OPTIONS)
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(document, defaults=JSON_COMPILE_OPTIONS)
         except (ValueError, TypeError, RuntimeError) as error:
             raise ValidationError("schema", f"cannot compile the JSON schema: {error}") from error
         return self._checked(grammar, "schema", "the JSON schema")
@@ -61,6 +61,11 @@ class SchemaCompiler:
         (refused here); `\\d` and `\\w` are Unicode-aware, as in Python's `re` on text.
         """
         return self._checked(llguidance.LLMatcher.grammar_from_regex(regex), "regex", "the regex")
+
+    def compile_lark(self, lark: str) -> str:
+        """Check a grammar in llguidance's Lark dialect (the tool-call grammars of
+        `lora_runtime.sampling.tools`), or raise ValidationError("lark_grammar")."""
+        return self._checked(llguidance.LLMatcher.grammar_from_lark(lark), "lark_grammar", "the grammar")
 
     def _checked(self, grammar: str, field: str, what: str) -> str:
         """`grammar` if llguidance can enforce it over this tokenizer, else ValidationError(field)."""

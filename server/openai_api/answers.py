@@ -4,7 +4,9 @@ chunks ending with `data: [DONE]` (docs/api.md section 8).
 Differences from the TGI wire that OpenAI's clients rely on: a stop sequence is not part of the
 text (held back while streaming until it is known not to be one); finish reasons are `stop` (EOS or
 a stop sequence) and `length`; `n` choices are the best `n` candidates; usage counts every
-returned choice's tokens.
+returned choice's tokens. With tools, a reply's calls come back as `message.tool_calls` (streamed:
+`delta.tool_calls`, the id and name with a call's first fragment, its arguments' text after) and
+`finish_reason` is `tool_calls`.
 """
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ import uuid
 from typing import Any
 
 from lora_runtime.core import RequestOutput, SamplingParams, TokenInfo, TopToken
+from lora_runtime.sampling.tools import ToolCallFormat
 from server.errors import ApiError, openai_error_body
+from server.openai_api.tool_calls import ParsedCall, ParsedReply, new_call_id, parse_reply
 from server.responses import finite, sse_event
 
 _DONE = b"data: [DONE]\n\n"
@@ -97,7 +101,7 @@ class _OpenAIAnswer:
         return body
 
     def stream_payloads(self, output: RequestOutput) -> list[dict[str, Any]]:
-        text = visible_text(output, self.params.stop)
+        text = self._stream_text(output)
         delta, self._num_chars_sent = text[self._num_chars_sent:], len(text)
         tokens, self._num_tokens_sent = output.tokens[self._num_tokens_sent:], len(output.tokens)
         payloads = self._opening_payloads()
@@ -129,6 +133,10 @@ class _OpenAIAnswer:
     def _opening_payloads(self) -> list[dict[str, Any]]:
         return []
 
+    def _stream_text(self, output: RequestOutput) -> str:
+        """The text streamed so far."""
+        return visible_text(output, self.params.stop)
+
     def _choice(self, index: int, output: RequestOutput) -> dict[str, Any]:
         raise NotImplementedError
 
@@ -142,16 +150,50 @@ class ChatAnswer(_OpenAIAnswer):
     id_prefix = "chatcmpl"
 
     def __init__(self, model: str, params: SamplingParams, n: int, include_usage: bool,
-                 logprobs: bool) -> None:
+                 logprobs: bool, tool_format: ToolCallFormat | None = None) -> None:
         super().__init__(model, params, n, include_usage)
         self.logprobs = logprobs
+        self.tool_format = tool_format  # None: the reply is text, not parsed for tool calls
         self._opened = False
+        self._reply = ParsedReply("", (), 0)
+        self._call_ids: list[str] = []
+        self._num_argument_chars_sent: list[int] = []
 
     def _choice(self, index: int, output: RequestOutput) -> dict[str, Any]:
-        return {"index": index,
-                "message": {"role": "assistant", "content": visible_text(output, self.params.stop)},
+        text = visible_text(output, self.params.stop)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        calls: tuple[ParsedCall, ...] = ()
+        if self.tool_format is not None:
+            reply = parse_reply(text, self.tool_format)
+            calls = reply.calls
+            if calls:
+                message["content"] = reply.content or None
+                message["tool_calls"] = [_tool_call(new_call_id(), call.name, call.arguments) for call in calls]
+        return {"index": index, "message": message,
                 "logprobs": _chat_logprobs(output.tokens) if self.logprobs else None,
-                "finish_reason": _finish_reason(output)}
+                "finish_reason": _tool_finish_reason(output, calls)}
+
+    def _stream_text(self, output: RequestOutput) -> str:
+        text = visible_text(output, self.params.stop)
+        if self.tool_format is None:
+            return text
+        self._reply = parse_reply(text, self.tool_format)
+        held = 0 if output.finished else self._reply.held
+        return self._reply.content[: len(self._reply.content) - held]
+
+    def _tool_call_deltas(self) -> list[dict[str, Any]]:
+        """Each call's news since the last chunk: its id and name first, then its arguments' text."""
+        deltas = []
+        for index, call in enumerate(self._reply.calls):
+            if index == len(self._call_ids):
+                self._call_ids.append(new_call_id())
+                self._num_argument_chars_sent.append(0)
+                deltas.append({"index": index, **_tool_call(self._call_ids[index], call.name, call.arguments)})
+            elif len(call.arguments) > self._num_argument_chars_sent[index]:
+                fragment = call.arguments[self._num_argument_chars_sent[index]:]
+                deltas.append({"index": index, "function": {"arguments": fragment}})
+            self._num_argument_chars_sent[index] = len(call.arguments)
+        return deltas
 
     def _opening_payloads(self) -> list[dict[str, Any]]:
         """The first chunk names the role, as OpenAI's does."""
@@ -163,9 +205,13 @@ class ChatAnswer(_OpenAIAnswer):
         return [self._with_usage_field(self._envelope(self.chunk_object_name, [choice]))]
 
     def _chunk_choice(self, delta: str, tokens: list[TokenInfo], output: RequestOutput) -> dict[str, Any]:
-        return {"index": 0, "delta": {"content": delta} if delta else {},
+        message: dict[str, Any] = {"content": delta} if delta else {}
+        tool_calls = self._tool_call_deltas()
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        return {"index": 0, "delta": message,
                 "logprobs": _chat_logprobs(tokens) if self.logprobs and tokens else None,
-                "finish_reason": _finish_reason(output)}
+                "finish_reason": _tool_finish_reason(output, self._reply.calls)}
 
 
 class CompletionAnswer(_OpenAIAnswer):
@@ -218,6 +264,16 @@ class CompletionAnswer(_OpenAIAnswer):
             position += len(text)
         return {"tokens": texts, "token_logprobs": token_logprobs, "top_logprobs": tops,
                 "text_offset": offsets}
+
+
+def _tool_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _tool_finish_reason(output: RequestOutput, calls: tuple[ParsedCall, ...]) -> str | None:
+    """`tool_calls` when the reply ended after its calls (not cut by max_tokens)."""
+    reason = _finish_reason(output)
+    return "tool_calls" if calls and reason == "stop" else reason
 
 
 def _top_dict(top: tuple[TopToken, ...], text: str, logprob: float | None) -> dict[str, float]:

@@ -3,7 +3,8 @@
 Each parameter maps onto the engine's existing semantics or is refused by name (400): OpenAI's
 defaults (temperature 1, so sampling is on), its additive presence/frequency penalties over the
 generated tokens (`penalty_counts="output"`), `n` as candidates of one prompt (`best_of`),
-`logit_bias`, `response_format`, `logprobs`/`top_logprobs`, `echo`. Errors the engine raises name
+`logit_bias`, `response_format`, `logprobs`/`top_logprobs`, `echo`, tools (`server.openai_api.tools`:
+their grammar goes to the engine, the tools to the chat template's input). Errors the engine raises name
 its own fields; `wire_name` gives the name the request used.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from server.openai_api.protocol import (
     ChatMessage,
     CompletionRequest,
 )
+from server.openai_api.tools import ToolPlan, template_tool_calls
 from server.params import AdapterScope, adapter_headers, adapter_reference, check_service_limits
 from server.protocol import GenerateParameters
 
@@ -30,7 +32,7 @@ _DEFAULT_TEMPERATURE = 1.0
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 _MAX_TEMPERATURE = 2.0
 
-_CHAT_ROLES = {"system", "user", "assistant"}
+_CHAT_ROLES = {"system", "user", "assistant", "tool"}
 # OpenAI's newer name for the system role; chat templates know only "system".
 _ROLE_ALIASES = {"developer": "system"}
 
@@ -55,7 +57,7 @@ def adapter_for(body: ChatCompletionRequest | CompletionRequest,
         raise ValidationError("model", error.message.removeprefix("adapter_id: ")) from None
 
 
-def chat_sampling_params(body: ChatCompletionRequest, config: ServerConfig) -> SamplingParams:
+def chat_sampling_params(body: ChatCompletionRequest, config: ServerConfig, tools: ToolPlan | None) -> SamplingParams:
     _refuse_chat_extras(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise ValidationError("top_logprobs", "needs logprobs: true")
@@ -68,6 +70,8 @@ def chat_sampling_params(body: ChatCompletionRequest, config: ServerConfig) -> S
         values["top_logprobs"] = body.top_logprobs or 0
     if body.response_format is not None and body.response_format.get("type") != "text":
         values["schema"] = _response_format_schema(body.response_format)
+    if tools is not None and tools.grammar is not None:
+        values["lark_grammar"] = tools.grammar
     values["apply_chat_template"] = True
     return _sampling_params(values, config, bool(body.stream))
 
@@ -89,20 +93,37 @@ def completion_sampling_params(body: CompletionRequest, config: ServerConfig) ->
     return _sampling_params(values, config, bool(body.stream))
 
 
-def chat_inputs(messages: list[ChatMessage]) -> str:
-    """The messages as the engine's `apply_chat_template` input: a JSON list of {role, content}."""
+def chat_inputs(messages: list[ChatMessage], tools: ToolPlan | None) -> str:
+    """The messages as the engine's `apply_chat_template` input: a JSON list of {role, content}
+    (with the tool-calling fields), or with tools the object {messages, tools, tool_call_format}."""
     if not messages:
         raise ValidationError("messages", "must not be empty")
-    rendered = []
-    for index, message in enumerate(messages):
-        role = _ROLE_ALIASES.get(message.role, message.role)
-        if role not in _CHAT_ROLES:
-            raise ValidationError(f"messages[{index}].role",
-                                  f"{message.role!r} is not supported (system, developer, user, assistant)")
-        if message.tool_calls or message.tool_call_id or message.function_call:
-            raise ValidationError(f"messages[{index}].tool_calls", "tool calls are not supported")
-        rendered.append({"role": role, "content": _message_text(message, index)})
-    return json.dumps(rendered)
+    rendered = [_chat_message(message, index) for index, message in enumerate(messages)]
+    if tools is None:
+        return json.dumps(rendered)
+    return json.dumps({"messages": rendered, "tools": list(tools.tools), "tool_call_format": tools.fmt.name})
+
+
+def _chat_message(message: ChatMessage, index: int) -> dict[str, Any]:
+    role = _ROLE_ALIASES.get(message.role, message.role)
+    if role not in _CHAT_ROLES:
+        raise ValidationError(f"messages[{index}].role",
+                              f"{message.role!r} is not supported (system, developer, user, assistant, tool)")
+    if message.function_call:
+        raise ValidationError(f"messages[{index}].function_call", "the deprecated functions API is not supported")
+    if message.tool_calls and role != "assistant":
+        raise ValidationError(f"messages[{index}].tool_calls", "only assistant messages carry tool calls")
+    if role == "tool" and not message.tool_call_id:
+        raise ValidationError(f"messages[{index}].tool_call_id", "a tool message needs the id of the call it answers")
+    if message.tool_calls:
+        # An assistant turn that only called tools has no content.
+        text = "" if message.content is None else _message_text(message, index)
+        return {"role": role, "content": text,
+                "tool_calls": template_tool_calls(message.tool_calls, f"messages[{index}].tool_calls")}
+    rendered: dict[str, Any] = {"role": role, "content": _message_text(message, index)}
+    if message.tool_call_id:
+        rendered["tool_call_id"] = message.tool_call_id
+    return rendered
 
 
 def completion_prompt(prompt: str | list[str] | list[int] | list[list[int]]) -> str | list[int]:
@@ -124,7 +145,7 @@ def wire_name(field: str, body: ChatCompletionRequest | CompletionRequest) -> st
     if field == "best_of":
         return "best_of" if not is_chat and body.best_of is not None else "n"
     names = {"inputs": "messages" if is_chat else "prompt", "apply_chat_template": "messages",
-             "schema": "response_format", "decoder_input_details": "echo",
+             "schema": "response_format", "lark_grammar": "tools", "decoder_input_details": "echo",
              "top_logprobs": "top_logprobs" if is_chat else "logprobs",
              "penalty_counts": "frequency_penalty", "adapter_id": "model"}
     return names.get(field, field)
@@ -192,13 +213,6 @@ def _message_text(message: ChatMessage, index: int) -> str:
 
 def _refuse_chat_extras(body: ChatCompletionRequest) -> None:
     """Known OpenAI parameters this server cannot honour: refused unless sent neutral."""
-    if body.tools:
-        raise ValidationError("tools", "tool calling is not supported by this server")
-    if body.tool_choice not in (None, "none", "auto"):
-        raise ValidationError("tool_choice", "tool calling is not supported by this server")
-    if body.functions or body.function_call not in (None, "none", "auto"):
-        raise ValidationError("functions" if body.functions else "function_call",
-                              "function calling is not supported by this server")
     if body.modalities not in (None, ["text"]):
         raise ValidationError("modalities", "only text output is supported")
     unsupported = {"audio": "audio output", "prediction": "predicted outputs",

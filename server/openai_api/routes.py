@@ -17,6 +17,7 @@ from starlette.concurrency import run_in_threadpool
 
 from lora_runtime.core import CacheScope
 from lora_runtime.errors import EngineError, ValidationError
+from lora_runtime.sampling.tools import tool_call_format
 from server.auth import authorize_tenant
 from server.body import read_model
 from server.deployments import resolve_deployment
@@ -36,6 +37,7 @@ from server.openai_api.protocol import (
     ModelCard,
     ModelList,
 )
+from server.openai_api.tools import tool_plan
 from server.params import adapter_scope
 from server.routes.inference import PREFIX
 from server.routes.openapi import OPENAI_ERROR_RESPONSES, openai_generation_doc
@@ -130,11 +132,14 @@ async def _named_for(body: Body, answer: Awaitable[Response]) -> Response:
 
 def _chat_call(body: ChatCompletionRequest, state: ServerState, deployment: Deployment,
                tenant: str) -> EngineCall:
-    params = chat_sampling_params(body, state.config)
+    tools = tool_plan(body, tool_call_format(state.engine_info.tokenizer.chat_template,
+                                             state.config.tool_call_format))
+    params = chat_sampling_params(body, state.config, tools)
     adapter, adapter_headers = adapter_for(body, adapter_scope(tenant, deployment, state.config))
     answer = ChatAnswer(_model_name(body, deployment), params, params.best_of, _include_usage(body),
-                        logprobs=bool(body.logprobs))
-    return EngineCall(prompt=chat_inputs(body.messages), params=params, adapter=adapter,
+                        logprobs=bool(body.logprobs),
+                        tool_format=tools.fmt if tools is not None and tools.parses_calls else None)
+    return EngineCall(prompt=chat_inputs(body.messages, tools), params=params, adapter=adapter,
                       cache_scope=CacheScope(tenant, body.cache_salt), is_stream=bool(body.stream), answer=answer,
                       identity={"x-model-id": deployment.base_model, **adapter_headers})
 

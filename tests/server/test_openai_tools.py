@@ -91,8 +91,7 @@ def test_required_and_named_calls_are_valid_for_base_and_adapter_in_one_batch(li
             messages=ASK, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False, n=3,
             max_tokens=64, temperature=1, **_model(live, adapter))
 
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        answers = list(pool.map(ask, jobs))
+    answers = _concurrently(*[lambda job=job: ask(job) for job in jobs])
     num_calls = 0
     for choice, completion in answers:
         for returned in completion.choices:
@@ -105,29 +104,47 @@ def test_required_and_named_calls_are_valid_for_base_and_adapter_in_one_batch(li
     assert num_calls == len(jobs) * 3
 
 
-@pytest.mark.parametrize("adapter", [False, True], ids=["base", "adapter"])
-def test_streamed_fragments_concatenate_to_the_whole_answers_calls(live, adapter) -> None:
-    request = dict(messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
-                   max_tokens=64, temperature=0, **_model(live, adapter))
-    whole = _client(live).chat.completions.create(**request).choices[0]
+def _concurrently(*calls):
+    """The calls' results, the calls made at once (one engine batch, and less waiting)."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [future.result() for future in [pool.submit(call) for call in calls]]
+
+
+def _streamed(stream) -> tuple[list[tuple[str, str]], list[str], str | None]:
+    """((name, arguments) per call, ids, finish reason) from a stream's fragments."""
     fragments: dict[int, dict] = {}
     finish = None
-    for chunk in _client(live).chat.completions.create(stream=True, **request):
+    for chunk in stream:
         delta = chunk.choices[0].delta
         assert not delta.content
         for call in delta.tool_calls or []:
             entry = fragments.setdefault(call.index, {"id": call.id, "name": call.function.name, "arguments": ""})
             entry["arguments"] += call.function.arguments or ""
         finish = chunk.choices[0].finish_reason or finish
-    expected = [(c.function.name, c.function.arguments) for c in _checked_calls(whole)]
-    assert [(f["name"], f["arguments"]) for f in fragments.values()] == expected
-    assert all(f["id"].startswith("call_") for f in fragments.values())
-    assert finish == whole.finish_reason == "tool_calls"
+    return [(f["name"], f["arguments"]) for f in fragments.values()], [f["id"] for f in fragments.values()], finish
+
+
+def test_streamed_fragments_concatenate_to_the_whole_answers_calls(live) -> None:
+    def request(adapter: bool) -> dict:
+        return dict(messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                    max_tokens=64, temperature=0, **_model(live, adapter))
+
+    client = _client(live)
+    answers = _concurrently(*[lambda adapter=adapter: client.chat.completions.create(**request(adapter))
+                              for adapter in (False, True)],
+                            *[lambda adapter=adapter: _streamed(client.chat.completions.create(stream=True,
+                                                                                               **request(adapter)))
+                              for adapter in (False, True)])
+    for whole, (calls, ids, finish) in zip(answers[:2], answers[2:]):
+        choice = whole.choices[0]
+        assert calls == [(c.function.name, c.function.arguments) for c in _checked_calls(choice)]
+        assert all(call_id.startswith("call_") for call_id in ids)
+        assert finish == choice.finish_reason == "tool_calls"
 
 
 def test_parallel_calls_each_validate(live) -> None:
     completion = _client(live).chat.completions.create(
-        messages=ASK, tools=TOOLS, tool_choice="required", n=4, max_tokens=120, temperature=1,
+        messages=ASK, tools=TOOLS, tool_choice="required", n=3, max_tokens=80, temperature=1,
         **_model(live, adapter=False))
     for choice in completion.choices:
         calls = choice.message.tool_calls
@@ -139,10 +156,11 @@ def test_parallel_calls_each_validate(live) -> None:
 
 
 def test_auto_and_none_leave_text_free(live) -> None:
-    for choice in ("auto", "none"):
-        completion = _client(live).chat.completions.create(
-            messages=ASK, tools=TOOLS, tool_choice=choice, n=4, max_tokens=24, temperature=1,
-            **_model(live, adapter=True))
+    client = _client(live)
+    completions = _concurrently(*[lambda choice=choice: client.chat.completions.create(
+        messages=ASK, tools=TOOLS, tool_choice=choice, n=3, max_tokens=24, temperature=1,
+        **_model(live, adapter=True)) for choice in ("auto", "none")])
+    for choice, completion in zip(("auto", "none"), completions):
         for returned in completion.choices:
             calls = _checked_calls(returned)
             if choice == "none":

@@ -21,6 +21,7 @@ settings (Triton in its interpreter), for CI (tests/wiring/test_gpu_check.py).""
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.metadata
 import json
 import os
@@ -45,7 +46,11 @@ DRY_RUN_KERNEL_TESTS = ("tests/kernels/test_lora_triton.py::test_dtypes[dtype2-s
 # The dry run's model: the stand-in at toy sizes, so the engine, HF and PEFT steps take seconds on a CPU.
 DRY_RUN_MODEL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-PACKAGES = ("torch", "triton", "transformers", "peft", "numpy", "safetensors", "tokenizers")
+PACKAGES = ("torch", "triton", "transformers", "peft", "huggingface_hub", "numpy", "safetensors", "tokenizers",
+            "llguidance", "boto3", "httpx2", "gguf")
+# What the steps import: a module missing on the GPU machine (no internet there) fails the environment
+# step by name, and the steps that need it fail on their own.
+ENTRY_MODULES = ("lora_runtime.engine", "benchmarks.engine", "benchmarks.kernels", "peft")
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +89,22 @@ def environment(run: Run) -> dict:
         raise RuntimeError("torch sees no CUDA device")
     if shutil.which("nvidia-smi"):
         figures["nvidia_smi"] = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout
+    problems = import_problems()
+    if problems:
+        figures["failed"] = (f"cannot import {problems}: fetch the missing packages' wheels with scripts/gpu_wheels.sh "
+                             "on a machine that reaches PyPI and carry .whl/")
     return figures
+
+
+def import_problems() -> dict[str, str]:
+    """Each entry module that does not import here, with the error."""
+    problems = {}
+    for module in ENTRY_MODULES:
+        try:
+            importlib.import_module(module)
+        except Exception as error:  # any import-time failure is what this reports
+            problems[module] = f"{type(error).__name__}: {error}"
+    return problems
 
 
 def _version(package: str) -> str | None:

@@ -83,5 +83,5 @@ def load_model(model_dir: Path, dtype: str, device: str, backend: kernels.Backen
         lm_head=backend.linear(embed if tied else reader.get("lm_head.weight")),
     )
     inv_freq, attention_scaling = rope_frequencies(config, shape.head_dim)
-    rotary = RotaryEmbedding(inv_freq, shape.max_model_len, attention_scaling, torch_dtype)
+    rotary = RotaryEmbedding(inv_freq, shape.max_model_len, attention_scaling, torch_dtype, device)
     return LlamaModel(shape, weights, rotary, backend)

@@ -1,11 +1,12 @@
 """apply_chat_template: `inputs` as a JSON list of {role, content} messages, or plain text as one
 user message, rendered with the generation prompt by the adapter's template or else the base model's.
 
-`inputs` may also be a JSON object {"messages": [...], "tools": [...], "tool_call_format": name}
-(the OpenAI routes' tool calling): a template that renders tools gets them as transformers'
-`apply_chat_template(tools=...)` passes them, with assistant `tool_calls` and `tool` results in the
-history; any other template gets them through `lora_runtime.sampling.tools`' system prompt, in the
-named format.
+`inputs` may also be a JSON object {"messages": [...], "tools": [...], "tool_call_format": name,
+"tool_prompt": text} (the OpenAI routes' tool calling): a template that renders tools gets them as
+transformers' `apply_chat_template(tools=...)` passes them, with assistant `tool_calls` and `tool`
+results in the history, and `tool_prompt` (TGI's) at the end of the system message; any other
+template gets them through `lora_runtime.sampling.tools`' system prompt, in the named format,
+`tool_prompt` as its first line.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from lora_runtime.sampling.tools import (
     check_tool_calls,
     messages_for_plain_template,
     template_knows_tools,
+    with_system_text,
 )
 
 
@@ -27,6 +29,7 @@ class ChatInputs:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] = field(default_factory=list)
     tool_call_format: str = "hermes"
+    tool_prompt: str | None = None
 
 
 def render_chat_prompt(inputs: str, tokenizer: Any, adapter_chat_template: str | None = None) -> str:
@@ -37,8 +40,10 @@ def render_chat_prompt(inputs: str, tokenizer: Any, adapter_chat_template: str |
     chat = parse_chat_inputs(inputs)
     messages, tools = chat.messages, chat.tools or None
     if tools and not template_knows_tools(template):
-        messages, tools = messages_for_plain_template(messages, chat.tools,
-                                                      TOOL_CALL_FORMATS[chat.tool_call_format]), None
+        fmt = TOOL_CALL_FORMATS[chat.tool_call_format]
+        messages, tools = messages_for_plain_template(messages, chat.tools, fmt, chat.tool_prompt), None
+    elif tools and chat.tool_prompt:
+        messages = with_system_text(messages, chat.tool_prompt)
     return tokenizer.apply_chat_template(
         messages, tools=tools, chat_template=template, tokenize=False, add_generation_prompt=True
     )
@@ -65,7 +70,10 @@ def _chat_with_tools(document: dict[str, Any]) -> ChatInputs:
     fmt = document.get("tool_call_format", "hermes")
     if fmt not in TOOL_CALL_FORMATS:
         raise ValidationError("inputs", f"tool_call_format must be one of {', '.join(TOOL_CALL_FORMATS)}")
-    return ChatInputs(_checked_messages(document["messages"]), tools, fmt)
+    tool_prompt = document.get("tool_prompt")
+    if tool_prompt is not None and not isinstance(tool_prompt, str):
+        raise ValidationError("inputs", "tool_prompt must be a string")
+    return ChatInputs(_checked_messages(document["messages"]), tools, fmt, tool_prompt)
 
 
 def _checked_messages(document: list[Any]) -> list[dict[str, Any]]:

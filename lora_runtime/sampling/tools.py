@@ -113,21 +113,24 @@ def _compact(schema: Mapping[str, Any]) -> dict[str, Any]:
     return {**schema, "x-guidance": options}
 
 
-def tools_system_prompt(tools: Sequence[Mapping[str, Any]], fmt: ToolCallFormat) -> str:
-    """How this server offers tools to a model whose chat template does not render them."""
+_DEFAULT_TOOL_PROMPT = "You can call the following functions (JSON schemas, one per line):"
+
+
+def tools_system_prompt(tools: Sequence[Mapping[str, Any]], fmt: ToolCallFormat, intro: str | None = None) -> str:
+    """How this server offers tools to a model whose chat template does not render them; `intro`
+    (TGI's `tool_prompt`) replaces the first line."""
     listing = "\n".join(json.dumps(tool, sort_keys=True) for tool in tools)
     example = fmt.render_calls([("<function name>", "<arguments as a JSON object>")])
-    return ("You can call the following functions (JSON schemas, one per line):\n"
+    return (f"{intro if intro is not None else _DEFAULT_TOOL_PROMPT}\n"
             f"{listing}\n"
             "To call one or more of them, answer with nothing but the calls, written exactly as:\n"
             f"{example}")
 
 
 def messages_for_plain_template(messages: list[dict[str, Any]], tools: Sequence[Mapping[str, Any]],
-                                fmt: ToolCallFormat) -> list[dict[str, str]]:
+                                fmt: ToolCallFormat, intro: str | None = None) -> list[dict[str, Any]]:
     """Messages a template that knows only {role, content} can render: the tools in the system
     message, an assistant's calls written in `fmt`, tool results as user turns."""
-    block = tools_system_prompt(tools, fmt)
     rendered: list[dict[str, str]] = []
     for message in messages:
         role, content = message["role"], message.get("content") or ""
@@ -137,12 +140,14 @@ def messages_for_plain_template(messages: list[dict[str, Any]], tools: Sequence[
         if role == "tool":
             role, content = "user", fmt.result_open + content + fmt.result_close
         rendered.append({"role": role, "content": content})
-    if tools:
-        if rendered and rendered[0]["role"] == "system":
-            rendered[0] = {"role": "system", "content": rendered[0]["content"] + "\n\n" + block}
-        else:
-            rendered.insert(0, {"role": "system", "content": block})
-    return rendered
+    return with_system_text(rendered, tools_system_prompt(tools, fmt, intro)) if tools else rendered
+
+
+def with_system_text(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """`text` at the end of the system message, which is added when there is none."""
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": messages[0]["content"] + "\n\n" + text}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
 
 
 def check_tool_calls(message: Mapping[str, Any], position: int) -> None:

@@ -10,6 +10,7 @@ returned choice's tokens. With tools, a reply's calls come back as `message.tool
 """
 from __future__ import annotations
 
+import importlib.metadata
 import time
 import uuid
 from typing import Any
@@ -21,6 +22,9 @@ from server.openai_api.tool_calls import ParsedCall, ParsedReply, new_call_id, p
 from server.responses import finite, sse_event
 
 _DONE = b"data: [DONE]\n\n"
+# OpenAI's field naming the backend's configuration (its values change when outputs may); TGI's
+# client requires it. This server's: its release.
+SYSTEM_FINGERPRINT = "fp_lora_serve_" + importlib.metadata.version("lora-serve")
 
 
 def _finish_reason(output: RequestOutput) -> str | None:
@@ -91,7 +95,7 @@ class _OpenAIAnswer:
 
     def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
-                "choices": choices}
+                "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices}
 
     def complete(self, output: RequestOutput) -> dict[str, Any]:
         choices = _choices(output, self.n)

@@ -37,9 +37,14 @@ _CHAT_ROLES = {"system", "user", "assistant", "tool"}
 _ROLE_ALIASES = {"developer": "system"}
 
 
+# What TGI's own client (text-generation) sends as `model`: TGI serves one model and ignores it.
+_TGI_CLIENT_MODEL = "tgi"
+
+
 def is_base_model(model: str | None, deployment: Deployment) -> bool:
-    """`model` names no adapter: empty, the deployment's base model, or the deployment itself."""
-    return not model or model in (deployment.base_model, deployment.name)
+    """`model` names no adapter: empty, the deployment's base model, the deployment itself, or
+    TGI's client's placeholder."""
+    return not model or model in (deployment.base_model, deployment.name, _TGI_CLIENT_MODEL)
 
 
 def adapter_for(body: ChatCompletionRequest | CompletionRequest,
@@ -101,7 +106,10 @@ def chat_inputs(messages: list[ChatMessage], tools: ToolPlan | None) -> str:
     rendered = [_chat_message(message, index) for index, message in enumerate(messages)]
     if tools is None:
         return json.dumps(rendered)
-    return json.dumps({"messages": rendered, "tools": list(tools.tools), "tool_call_format": tools.fmt.name})
+    document = {"messages": rendered, "tools": list(tools.tools), "tool_call_format": tools.fmt.name}
+    if tools.tool_prompt is not None:
+        document["tool_prompt"] = tools.tool_prompt
+    return json.dumps(document)
 
 
 def _chat_message(message: ChatMessage, index: int) -> dict[str, Any]:

@@ -70,6 +70,7 @@ class ChatCompletionRequest(_Sampling):
     # Refused unless neutral (`server.openai_api.params.refuse_unsupported`).
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    tool_prompt: str | None = None  # TGI's: the text that introduces the tools in the prompt
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
@@ -80,8 +81,8 @@ class ChatCompletionRequest(_Sampling):
     web_search_options: dict[str, Any] | None = None
     moderation: Any = None
     store: bool | None = None
-    # Ignored by design: hints to OpenAI's own infrastructure (tiers, caching, storage metadata).
     parallel_tool_calls: bool | None = None
+    # Ignored by design: hints to OpenAI's own infrastructure (tiers, caching, storage metadata).
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None

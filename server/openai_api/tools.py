@@ -33,6 +33,7 @@ class ToolPlan:
     tools: tuple[dict[str, Any], ...]
     grammar: str | None
     fmt: ToolCallFormat
+    tool_prompt: str | None = None  # TGI's: the text that introduces the tools
 
     @property
     def parses_calls(self) -> bool:
@@ -57,7 +58,7 @@ def tool_plan(body: ChatCompletionRequest, fmt: ToolCallFormat) -> ToolPlan | No
         request = ToolGrammarRequest(tuple(schemas.items()), callable_names, free_text_first,
                                      parallel=body.parallel_tool_calls is not False)
         grammar = tool_call_grammar(request, fmt)
-    return ToolPlan(tuple(body.tools), grammar, fmt)
+    return ToolPlan(tuple(body.tools), grammar, fmt, body.tool_prompt)
 
 
 def _checked_tools(tools: list[Any]) -> dict[str, dict[str, Any]]:
@@ -100,20 +101,27 @@ def _check_schema(schema: Any, where: str, name: str) -> None:
 
 
 def _choice(choice: str | dict[str, Any] | None, schemas: dict[str, Any]) -> tuple[tuple[str, ...], bool]:
-    """(the names a reply may call, whether it may answer in text first)."""
+    """(the names a reply may call, whether it may answer in text first). Besides OpenAI's shapes,
+    TGI's: a tool's name as the string, and {"function": {"name": ...}} without "type"."""
     if choice in (None, "auto"):
         return tuple(schemas), True
     if choice == "none":
         return (), True
     if choice == "required":
         return tuple(schemas), False
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
-    if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
-        raise ValidationError("tool_choice", "must be none, auto, required or "
-                                             "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+    name = choice if isinstance(choice, str) else _named(choice)
     if name not in schemas:
         raise ValidationError("tool_choice", f"names {name!r}, which is not among tools")
     return (name,), False
+
+
+def _named(choice: dict[str, Any]) -> str:
+    function = choice.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    if choice.get("type", "function") != "function" or not isinstance(name, str):
+        raise ValidationError("tool_choice", "must be none, auto, required or "
+                                             "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+    return name
 
 
 def template_tool_calls(calls: list[Any], where: str) -> list[dict[str, Any]]:

@@ -14,11 +14,13 @@ import llguidance
 import llguidance.hf
 import openai
 import pytest
+import text_generation
+import text_generation.types
 
 from lora_runtime import Engine
 from lora_runtime.config import AdapterConfig
 from lora_runtime.sampling.chat import render_chat_prompt
-from lora_runtime.sampling.tools import TOOL_CALL_FORMATS, ToolGrammarRequest, tool_call_grammar
+from lora_runtime.sampling.tools import TOOL_CALL_FORMATS, ToolGrammarRequest, tool_call_format, tool_call_grammar
 from server.adapter_sources import engine_adapter_sources
 from server.config import TOOL_CALL_FORMAT_CHOICES, ServerConfig
 from server.db import open_database
@@ -269,3 +271,24 @@ def test_the_reader_gives_content_and_calls_and_holds_back_a_trigger_prefix() ->
 
 def test_the_clis_format_choices_are_the_engines_formats() -> None:
     assert TOOL_CALL_FORMAT_CHOICES == ("auto", *TOOL_CALL_FORMATS)
+
+
+def test_tgis_client_gets_a_named_call_and_tool_prompt_introduces_the_tools(live) -> None:
+    """text-generation 0.7.0's `chat` (model "tgi", tool_choice a tool's name, a required
+    system_fingerprint) on the same route."""
+    client = text_generation.Client(live.prefix(), headers=live.headers(), timeout=120)
+    answer = client.chat(messages=[text_generation.types.Message(**ASK[0])], max_tokens=64, temperature=0.5,
+                         tools=[text_generation.types.Tool(**tool) for tool in TOOLS], tool_choice="get_time")
+    call = answer.choices[0].message.tool_calls[0]
+    # TGI's client sends no parallel_tool_calls (OpenAI's default: true): more calls may follow.
+    assert answer.choices[0].finish_reason in ("tool_calls", "length") and call["function"]["name"] == "get_time"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), TIME)
+    inputs = {"messages": ASK, "tools": TOOLS, "tool_prompt": "Pick a tool."}
+    prompt = render_chat_prompt(json.dumps(inputs), live.state.engine_info.tokenizer)
+    assert prompt.startswith("<|im_start|>system\nPick a tool.\n" + json.dumps(TOOLS[0], sort_keys=True))
+
+
+def test_the_format_comes_from_the_template_unless_the_operator_names_one() -> None:
+    assert tool_call_format("{{ '[TOOL_CALLS]' }}").name == "mistral"
+    assert tool_call_format("{{ messages }}").name == "hermes"
+    assert tool_call_format("{{ '[TOOL_CALLS]' }}", "hermes").name == "hermes"

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -49,6 +51,9 @@ OPENAI_PREFIX = PREFIX + "/v1"
 router = APIRouter(tags=["openai"])
 # Far more than a tenant keeps; the list is one page, as OpenAI's.
 _MAX_LISTED_REPOS = 10_000
+# When this server started (its routes were loaded): the base model's `created` when its files'
+# time is unknown.
+_STARTED = int(time.time())
 
 Body = ChatCompletionRequest | CompletionRequest
 
@@ -64,7 +69,8 @@ async def list_models(request: Request, tenant_id: str, deployment_name: str) ->
     deployment = resolve_deployment(state.database, tenant, deployment_name)
     repos = await run_in_threadpool(state.adapters.registry.list_repos, tenant, _MAX_LISTED_REPOS)
     context = state.engine_info.max_model_len
-    cards = [ModelCard(id=deployment.base_model, created=0, owned_by="lora-serve",
+    cards = [ModelCard(id=deployment.base_model, created=_base_model_created(state.engine_info.tokenizer),
+                       owned_by="lora-serve",
                        root=deployment.base_model, max_model_len=context)]
     for repo in repos:
         for version in repo.versions:
@@ -75,6 +81,14 @@ async def list_models(request: Request, tenant_id: str, deployment_name: str) ->
                                    owned_by=tenant, root=adapter_id, parent=deployment.base_model,
                                    max_model_len=context))
     return ModelList(data=cards)
+
+
+def _base_model_created(tokenizer: Any) -> int:
+    """When the base model's files were written: its local directory's config.json (the embedded
+    model's conversion, or the operator's copy); else, for a model named by hub id, when this
+    server started."""
+    config = Path(tokenizer.name_or_path) / "config.json"
+    return int(config.stat().st_mtime) if config.is_file() else _STARTED
 
 
 @router.post(OPENAI_PREFIX + "/chat/completions",

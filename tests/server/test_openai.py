@@ -14,6 +14,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from lora_runtime.embedded import ensure_embedded_model
 from server.config import DEFAULT_DEMO_ADAPTERS_DIR
 from server.db import open_database
 from server.demo import register_demo_adapters
@@ -59,6 +60,8 @@ def test_models_lists_the_base_model_and_the_tenants_adapters(live) -> None:
     assert {live.model_name, "french/1", "json/1", "shout/1"} <= set(models)
     assert models["french/1"].owned_by == "demo"
     assert models["french/1"].model_extra["parent"] == live.model_name
+    # The base model's files' time: the embedded model's conversion wrote its directory.
+    assert models[live.model_name].created == int((ensure_embedded_model() / "config.json").stat().st_mtime) > 0
     assert {m.id for m in _client(live, "other").models.list()} == {live.model_name}
 
 

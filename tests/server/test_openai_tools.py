@@ -218,6 +218,12 @@ def test_a_template_that_knows_tools_renders_them_itself(live) -> None:
                                                                                          "uniqueItems": True}}}}}],
      "auto", "tools[0].function.parameters"),
     (TOOLS + TOOLS[:1], "auto", "tools[2].function.name"),
+    ([{"type": "function", "function": {"name": "big", "parameters": {
+        "type": "object", "properties": {f"p{i:05}": {"type": "integer"} for i in range(1000)}}}}],
+     "auto", "tools[0].function.parameters"),
+    ([{"type": "function", "function": {"name": f"t{n}", "parameters": {
+        "type": "object", "properties": {f"p{i:04}": {"type": "integer"} for i in range(300)}}}} for n in range(10)],
+     "required", "tools"),
     ([{"type": "function", "function": {"name": "bad name"}}], "auto", "tools[0].function.name"),
     (TOOLS, {"type": "function", "function": {"name": "get_news"}}, "tool_choice"),
     (None, "required", "tool_choice"),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA path's check in one command (benchmarks/gpu_check.py says what it runs and writes):
 #
-#   scripts/gpu_check.sh [OUT_DIR] [--dry-run] [--model-dir DIR] [--budget-s 540]
+#   scripts/gpu_check.sh [OUT_DIR] [--dry-run] [--model-dir DIR] [--budget-s 470]
 #
 # OUT_DIR defaults to $OUT. Runs with $PYTHON, else the repository's .venv where it has one, else
 # python3 (on the GPU machines, the Python that holds PyTorch), with the repository on PYTHONPATH:

@@ -25,4 +25,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-exec "$python" -m benchmarks.gpu_check "$@"
+"$python" -m benchmarks.gpu_check "$@"
+status=$?
+[ -z "${site:-}" ] || rm -rf "$site"
+exit $status

@@ -31,7 +31,8 @@ def save_stand_in(directory: Path, **overrides: int) -> Path:
     if (directory / "config.json").is_file():
         return directory
     torch.manual_seed(SEED)
-    config = LlamaConfig(**{**EMBEDDED_SHAPE, **overrides}, rope_theta=100000.0, initializer_range=INITIALIZER_RANGE)
+    config = LlamaConfig(**{**EMBEDDED_SHAPE, **overrides}, initializer_range=INITIALIZER_RANGE,
+                         rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
     LlamaForCausalLM(config).eval().save_pretrained(directory, safe_serialization=True)
     word_level_tokenizer(config.vocab_size).save_pretrained(directory)
     return directory

@@ -25,6 +25,7 @@ from lora_runtime.errors import EngineError
 from server.bridge import final_output
 from server.engine_backend import EngineStream
 from server.errors import ApiError, from_engine_error
+from server.fan_out import FanOutStream
 from server.responses import Timing, generate_headers
 from server.state import ServerState
 from server.streaming import CleanupStreamingResponse, first_output, sse_events
@@ -60,6 +61,10 @@ class EngineCall:
     is_stream: bool
     answer: Answer
     identity: dict[str, str]  # x-model-id, x-adapter-id, x-adapter-source (+ x-replica-id in a cluster)
+    # Several engine requests answered as one (`server.fan_out`): (prompt, params) each, in place of
+    # `prompt` and `params`, and how many choices each contributes.
+    fan_out: tuple[tuple[str | list[int], SamplingParams], ...] = ()
+    choices_per_request: int = 1
 
 
 async def counted(state: ServerState, route: str, serve: Awaitable[Response]) -> Response:
@@ -81,9 +86,7 @@ async def serve(request: Request, state: ServerState, call: EngineCall, received
         release = state.admission.acquire()
         is_owned_by_response = False
         try:
-            stream = await state.async_engine.add_request(call.prompt, call.params, adapter=adapter,
-                                                          final_only=not call.is_stream,
-                                                          cache_scope=call.cache_scope)
+            stream = await _open_stream(state, call, adapter)
             if stream.replica_id is not None:
                 call = dataclasses.replace(call, identity={**call.identity, "x-replica-id": stream.replica_id})
             timing = Timing(received, time.monotonic())
@@ -97,6 +100,21 @@ async def serve(request: Request, state: ServerState, call: EngineCall, received
                 release()
     except EngineError as error:
         raise from_engine_error(error, state.config.retry_after_s) from None
+
+
+async def _open_stream(state: ServerState, call: EngineCall, adapter: AdapterRequest | None) -> EngineStream:
+    """The call's engine request, or its fanned-out requests as one stream (all or none queued)."""
+    streams: list[EngineStream] = []
+    try:
+        for prompt, params in call.fan_out or ((call.prompt, call.params),):
+            streams.append(await state.async_engine.add_request(prompt, params, adapter=adapter,
+                                                                final_only=not call.is_stream,
+                                                                cache_scope=call.cache_scope))
+    except BaseException:
+        for stream in streams:
+            await stream.abort()
+        raise
+    return streams[0] if len(streams) == 1 else FanOutStream(streams, call.choices_per_request)
 
 
 async def _stream_response(request: Request, stream: EngineStream, call: EngineCall,

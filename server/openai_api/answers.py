@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.metadata
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
 from lora_runtime.core import RequestOutput, SamplingParams, TokenInfo, TopToken
@@ -42,7 +43,7 @@ def visible_text(output: RequestOutput, stops: tuple[str, ...]) -> str:
     """The text a client may see now: without the stop sequence that ended it, and while
     generating, without a tail that may still become one."""
     text = output.text
-    if output.finished:
+    if output.finish_reason is not None:
         return text[: len(text) - len(_matched_stop(text, stops))] if output.finish_reason == "stop_sequence" else text
     held = max((size for stop in stops for size in range(1, len(stop))
                 if text.endswith(stop[:size])), default=0)
@@ -50,15 +51,18 @@ def visible_text(output: RequestOutput, stops: tuple[str, ...]) -> str:
 
 
 def _choices(output: RequestOutput, n: int) -> list[RequestOutput]:
-    """The best `n` candidates: the engine's winner, then the others best first."""
+    """The answer's `n` choices: the engine's winner, then the other candidates best first (or a
+    fanned-out request's choices in order, `server.fan_out`)."""
     return [output, *output.best_of_sequences][:n]
 
 
-def _usage(output: RequestOutput, choices: list[RequestOutput]) -> dict[str, int]:
-    prompt = len(output.prompt_token_ids)
+def _usage(choices: list[RequestOutput], choices_per_prompt: int) -> dict[str, Any]:
+    """Each prompt counted once, every returned choice's tokens."""
+    firsts = choices[::choices_per_prompt]
+    prompt = sum(len(choice.prompt_token_ids) for choice in firsts)
     completion = sum(len(choice.token_ids) for choice in choices)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": sum(choice.num_cached_tokens for choice in firsts)}}
 
 
 def _token_bytes(text: str) -> list[int]:
@@ -74,22 +78,39 @@ def _chat_logprobs(tokens: list[TokenInfo]) -> dict[str, Any]:
                          "top_logprobs": _chat_top(t.top)} for t in tokens]}
 
 
+@dataclass(slots=True)
+class _ChoiceProgress:
+    """What a stream has sent of one choice."""
+
+    num_chars_sent: int = 0
+    num_tokens_sent: int = 0
+    num_chunks_sent: int = 0
+    is_open: bool = False
+    is_finish_sent: bool = False
+    reply: ParsedReply = ParsedReply("", (), 0)  # chat with tools: the reply read so far
+    call_ids: list[str] = field(default_factory=list)
+    num_argument_chars_sent: list[int] = field(default_factory=list)
+
+
 class _OpenAIAnswer:
-    """What the chat and completions answers share: ids, the stream's text deltas, usage, the end."""
+    """What the chat and completions answers share: ids, the stream's text deltas per choice,
+    usage, the end. `n` counts every choice (prompts x n for a list of prompts), in order, each
+    prompt's `choices_per_prompt` together."""
 
     object_name = ""
     chunk_object_name = ""
     id_prefix = ""
 
-    def __init__(self, model: str, params: SamplingParams, n: int, include_usage: bool) -> None:
+    def __init__(self, model: str, params: SamplingParams, n: int, include_usage: bool,
+                 choices_per_prompt: int | None = None) -> None:
         self.model = model
         self.params = params
         self.n = n
+        self.choices_per_prompt = choices_per_prompt or n
         self.include_usage = include_usage
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self._num_chars_sent = 0
-        self._num_tokens_sent = 0
+        self._progress = [_ChoiceProgress() for _ in range(n)]
         self._final: RequestOutput | None = None
         self._failed = False
 
@@ -101,17 +122,25 @@ class _OpenAIAnswer:
         choices = _choices(output, self.n)
         body = self._envelope(self.object_name, [self._choice(index, choice)
                                                  for index, choice in enumerate(choices)])
-        body["usage"] = _usage(output, choices)
+        body["usage"] = _usage(choices, self.choices_per_prompt)
         return body
 
     def stream_payloads(self, output: RequestOutput) -> list[dict[str, Any]]:
-        text = self._stream_text(output)
-        delta, self._num_chars_sent = text[self._num_chars_sent:], len(text)
-        tokens, self._num_tokens_sent = output.tokens[self._num_tokens_sent:], len(output.tokens)
-        payloads = self._opening_payloads()
-        if delta or tokens or output.finished:
-            payload = self._envelope(self.chunk_object_name, [self._chunk_choice(delta, tokens, output)])
-            payloads.append(self._with_usage_field(payload))
+        """Each choice's news as its own chunks (choices interleave, told apart by `index`)."""
+        payloads = []
+        for index, choice in enumerate(_choices(output, self.n)):
+            progress = self._progress[index]
+            payloads += self._opening_payloads(index, progress)
+            progress.is_open = True
+            text = self._stream_text(choice, progress)
+            delta, progress.num_chars_sent = text[progress.num_chars_sent:], len(text)
+            tokens, progress.num_tokens_sent = choice.tokens[progress.num_tokens_sent:], len(choice.tokens)
+            ends = (choice.finish_reason is not None or output.finished) and not progress.is_finish_sent
+            if delta or tokens or ends:
+                chunk = self._chunk_choice(index, delta, tokens, choice, progress)
+                payloads.append(self._with_usage_field(self._envelope(self.chunk_object_name, [chunk])))
+                progress.num_chunks_sent += 1
+            progress.is_finish_sent |= ends
         if output.finished:
             self._final = output
         return payloads
@@ -124,7 +153,7 @@ class _OpenAIAnswer:
         tail = []
         if self.include_usage and self._final is not None and not self._failed:
             usage = self._envelope(self.chunk_object_name, [])
-            usage["usage"] = _usage(self._final, [self._final])
+            usage["usage"] = _usage(_choices(self._final, self.n), self.choices_per_prompt)
             tail.append(sse_event(usage))
         return [*tail, _DONE]
 
@@ -134,17 +163,18 @@ class _OpenAIAnswer:
             payload["usage"] = None
         return payload
 
-    def _opening_payloads(self) -> list[dict[str, Any]]:
+    def _opening_payloads(self, index: int, progress: _ChoiceProgress) -> list[dict[str, Any]]:
         return []
 
-    def _stream_text(self, output: RequestOutput) -> str:
-        """The text streamed so far."""
-        return visible_text(output, self.params.stop)
+    def _stream_text(self, choice: RequestOutput, progress: _ChoiceProgress) -> str:
+        """The choice's text streamed so far."""
+        return visible_text(choice, self.params.stop)
 
     def _choice(self, index: int, output: RequestOutput) -> dict[str, Any]:
         raise NotImplementedError
 
-    def _chunk_choice(self, delta: str, tokens: list[TokenInfo], output: RequestOutput) -> dict[str, Any]:
+    def _chunk_choice(self, index: int, delta: str, tokens: list[TokenInfo], choice: RequestOutput,
+                      progress: _ChoiceProgress) -> dict[str, Any]:
         raise NotImplementedError
 
 
@@ -158,10 +188,6 @@ class ChatAnswer(_OpenAIAnswer):
         super().__init__(model, params, n, include_usage)
         self.logprobs = logprobs
         self.tool_format = tool_format  # None: the reply is text, not parsed for tool calls
-        self._opened = False
-        self._reply = ParsedReply("", (), 0)
-        self._call_ids: list[str] = []
-        self._num_argument_chars_sent: list[int] = []
 
     def _choice(self, index: int, output: RequestOutput) -> dict[str, Any]:
         text = visible_text(output, self.params.stop)
@@ -177,45 +203,46 @@ class ChatAnswer(_OpenAIAnswer):
                 "logprobs": _chat_logprobs(output.tokens) if self.logprobs else None,
                 "finish_reason": _tool_finish_reason(output, calls)}
 
-    def _stream_text(self, output: RequestOutput) -> str:
-        text = visible_text(output, self.params.stop)
+    def _stream_text(self, choice: RequestOutput, progress: _ChoiceProgress) -> str:
+        text = visible_text(choice, self.params.stop)
         if self.tool_format is None:
             return text
-        self._reply = parse_reply(text, self.tool_format)
-        held = 0 if output.finished else self._reply.held
-        return self._reply.content[: len(self._reply.content) - held]
+        progress.reply = parse_reply(text, self.tool_format)
+        held = 0 if choice.finish_reason is not None else progress.reply.held
+        return progress.reply.content[: len(progress.reply.content) - held]
 
-    def _tool_call_deltas(self) -> list[dict[str, Any]]:
-        """Each call's news since the last chunk: its id and name first, then its arguments' text."""
-        deltas = []
-        for index, call in enumerate(self._reply.calls):
-            if index == len(self._call_ids):
-                self._call_ids.append(new_call_id())
-                self._num_argument_chars_sent.append(0)
-                deltas.append({"index": index, **_tool_call(self._call_ids[index], call.name, call.arguments)})
-            elif len(call.arguments) > self._num_argument_chars_sent[index]:
-                fragment = call.arguments[self._num_argument_chars_sent[index]:]
-                deltas.append({"index": index, "function": {"arguments": fragment}})
-            self._num_argument_chars_sent[index] = len(call.arguments)
-        return deltas
-
-    def _opening_payloads(self) -> list[dict[str, Any]]:
-        """The first chunk names the role, as OpenAI's does."""
-        if self._opened:
+    def _opening_payloads(self, index: int, progress: _ChoiceProgress) -> list[dict[str, Any]]:
+        """A choice's first chunk names the role, as OpenAI's does."""
+        if progress.is_open:
             return []
-        self._opened = True
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None}
         return [self._with_usage_field(self._envelope(self.chunk_object_name, [choice]))]
 
-    def _chunk_choice(self, delta: str, tokens: list[TokenInfo], output: RequestOutput) -> dict[str, Any]:
+    def _chunk_choice(self, index: int, delta: str, tokens: list[TokenInfo], choice: RequestOutput,
+                      progress: _ChoiceProgress) -> dict[str, Any]:
         message: dict[str, Any] = {"content": delta} if delta else {}
-        tool_calls = self._tool_call_deltas()
+        tool_calls = _tool_call_deltas(progress)
         if tool_calls:
             message["tool_calls"] = tool_calls
-        return {"index": 0, "delta": message,
+        return {"index": index, "delta": message,
                 "logprobs": _chat_logprobs(tokens) if self.logprobs and tokens else None,
-                "finish_reason": _tool_finish_reason(output, self._reply.calls)}
+                "finish_reason": _tool_finish_reason(choice, progress.reply.calls)}
+
+
+def _tool_call_deltas(progress: _ChoiceProgress) -> list[dict[str, Any]]:
+    """Each call's news since the last chunk: its id and name first, then its arguments' text."""
+    deltas = []
+    for index, call in enumerate(progress.reply.calls):
+        if index == len(progress.call_ids):
+            progress.call_ids.append(new_call_id())
+            progress.num_argument_chars_sent.append(0)
+            deltas.append({"index": index, **_tool_call(progress.call_ids[index], call.name, call.arguments)})
+        elif len(call.arguments) > progress.num_argument_chars_sent[index]:
+            fragment = call.arguments[progress.num_argument_chars_sent[index]:]
+            deltas.append({"index": index, "function": {"arguments": fragment}})
+        progress.num_argument_chars_sent[index] = len(call.arguments)
+    return deltas
 
 
 class CompletionAnswer(_OpenAIAnswer):
@@ -224,28 +251,32 @@ class CompletionAnswer(_OpenAIAnswer):
     id_prefix = "cmpl"
 
     def __init__(self, model: str, params: SamplingParams, n: int, include_usage: bool,
-                 logprobs: int | None, echo_text: str | None) -> None:
-        super().__init__(model, params, n, include_usage)
+                 logprobs: int | None, echo_texts: list[str] | None, choices_per_prompt: int) -> None:
+        super().__init__(model, params, n, include_usage, choices_per_prompt)
         self.logprobs = logprobs
-        self.echo_text = echo_text  # the prompt as text, when echoed
-        self._echoed = False
+        self.echo_texts = echo_texts  # each prompt as text, when echoed
+
+    def _echo(self, index: int) -> str | None:
+        return None if self.echo_texts is None else self.echo_texts[index // self.choices_per_prompt]
 
     def _choice(self, index: int, output: RequestOutput) -> dict[str, Any]:
         text = visible_text(output, self.params.stop)
+        echo = self._echo(index)
         logprobs = None
         if self.logprobs is not None:
-            logprobs = self._logprobs(output.tokens, with_prompt=output if self.echo_text is not None else None)
-        return {"index": index, "text": (self.echo_text or "") + text, "logprobs": logprobs,
+            logprobs = self._logprobs(output.tokens, with_prompt=output if echo is not None else None)
+        return {"index": index, "text": (echo or "") + text, "logprobs": logprobs,
                 "finish_reason": _finish_reason(output)}
 
-    def _chunk_choice(self, delta: str, tokens: list[TokenInfo], output: RequestOutput) -> dict[str, Any]:
+    def _chunk_choice(self, index: int, delta: str, tokens: list[TokenInfo], choice: RequestOutput,
+                      progress: _ChoiceProgress) -> dict[str, Any]:
+        # The first chunk of a choice carries its echoed prompt (and the prompt's logprobs).
+        echo = None if progress.num_chunks_sent else self._echo(index)
         logprobs = None
-        if self.logprobs is not None and (tokens or not self._echoed):
-            logprobs = self._logprobs(tokens, with_prompt=None if self._echoed or self.echo_text is None else output)
-        if not self._echoed and self.echo_text is not None:
-            delta = self.echo_text + delta
-        self._echoed = True
-        return {"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": _finish_reason(output)}
+        if self.logprobs is not None and (tokens or echo is not None):
+            logprobs = self._logprobs(tokens, with_prompt=choice if echo is not None else None)
+        return {"index": index, "text": (echo or "") + delta, "logprobs": logprobs,
+                "finish_reason": _finish_reason(choice)}
 
     def _logprobs(self, tokens: list[TokenInfo], with_prompt: RequestOutput | None) -> dict[str, Any]:
         """The legacy shape: parallel lists, the top entries as {token: logprob} (the chosen token

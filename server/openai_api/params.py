@@ -89,6 +89,8 @@ def completion_sampling_params(body: CompletionRequest, config: ServerConfig) ->
     if body.best_of is not None:
         if body.best_of < values.get("best_of", 1):
             raise ValidationError("best_of", "must be >= n")
+        if body.stream and body.best_of > values.get("best_of", 1):
+            raise ValidationError("best_of", "must equal n when streaming (each choice streams as it is drawn)")
         values["best_of"] = body.best_of
     if body.logprobs is not None:
         values["top_logprobs"] = body.logprobs
@@ -134,15 +136,13 @@ def _chat_message(message: ChatMessage, index: int) -> dict[str, Any]:
     return rendered
 
 
-def completion_prompt(prompt: str | list[str] | list[int] | list[list[int]]) -> str | list[int]:
-    """One prompt, as text or token ids; a batch of several is refused."""
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise ValidationError("prompt", "send one prompt per request (a list of several is not supported)")
-        prompt = prompt[0]
-    if not prompt:
-        raise ValidationError("prompt", "must not be empty")
-    return prompt
+def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """The prompts, each text or token ids: one, or a list of several (one choice each per `n`)."""
+    prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+    for index, each in enumerate(prompts):
+        if not isinstance(each, (str, list)) or not each:
+            raise ValidationError("prompt" if len(prompts) == 1 else f"prompt[{index}]", "must not be empty")
+    return prompts
 
 
 def wire_name(field: str, body: ChatCompletionRequest | CompletionRequest) -> str:
@@ -179,13 +179,12 @@ def _common_values(body: ChatCompletionRequest | CompletionRequest, config: Serv
         values["stop"] = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
     if body.logit_bias:
         values["logit_bias"] = _logit_bias(body.logit_bias)
-    if body.stream and n > 1:
-        raise ValidationError("n", "n > 1 is not supported when streaming")
     return values
 
 
 def _sampling_params(values: dict[str, Any], config: ServerConfig, is_stream: bool) -> SamplingParams:
-    check_service_limits(values, config, is_stream)
+    # Streamed, the n choices are n engine requests of one candidate each (server.fan_out).
+    check_service_limits({**values, "best_of": 1} if is_stream else values, config, is_stream)
     return SamplingParams(**values)
 
 

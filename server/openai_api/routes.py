@@ -29,7 +29,7 @@ from server.openai_api.params import (
     adapter_for,
     chat_inputs,
     chat_sampling_params,
-    completion_prompt,
+    completion_prompts,
     completion_sampling_params,
     wire_name,
 )
@@ -40,6 +40,7 @@ from server.openai_api.protocol import (
     ModelList,
 )
 from server.openai_api.tools import tool_plan
+from server.fan_out import fan_out_requests
 from server.params import adapter_scope
 from server.routes.inference import PREFIX
 from server.routes.openapi import OPENAI_ERROR_RESPONSES, openai_generation_doc
@@ -153,24 +154,30 @@ def _chat_call(body: ChatCompletionRequest, state: ServerState, deployment: Depl
     answer = ChatAnswer(_model_name(body, deployment), params, params.best_of, _include_usage(body),
                         logprobs=bool(body.logprobs),
                         tool_format=tools.fmt if tools is not None and tools.parses_calls else None)
-    return EngineCall(prompt=chat_inputs(body.messages, tools), params=params, adapter=adapter,
+    prompt = chat_inputs(body.messages, tools)
+    requests, choices_per_request = fan_out_requests([prompt], params, params.best_of, bool(body.stream))
+    return EngineCall(prompt=prompt, params=params, adapter=adapter,
                       cache_scope=CacheScope(tenant, body.cache_salt), is_stream=bool(body.stream), answer=answer,
-                      identity={"x-model-id": deployment.base_model, **adapter_headers})
+                      identity={"x-model-id": deployment.base_model, **adapter_headers},
+                      fan_out=requests, choices_per_request=choices_per_request)
 
 
 def _completion_call(body: CompletionRequest, state: ServerState, deployment: Deployment,
                      tenant: str) -> EngineCall:
     params = completion_sampling_params(body, state.config)
-    prompt = completion_prompt(body.prompt)
+    prompts = completion_prompts(body.prompt)
     adapter, adapter_headers = adapter_for(body, adapter_scope(tenant, deployment, state.config))
-    echo_text = None
+    echo_texts = None
     if body.echo:
-        echo_text = prompt if isinstance(prompt, str) else state.engine_info.tokenizer.decode(prompt)
-    answer = CompletionAnswer(_model_name(body, deployment), params, body.n or 1, _include_usage(body),
-                              logprobs=body.logprobs, echo_text=echo_text)
-    return EngineCall(prompt=prompt, params=params, adapter=adapter, cache_scope=CacheScope(tenant, body.cache_salt),
-                      is_stream=bool(body.stream), answer=answer,
-                      identity={"x-model-id": deployment.base_model, **adapter_headers})
+        echo_texts = [p if isinstance(p, str) else state.engine_info.tokenizer.decode(p) for p in prompts]
+    n = body.n or 1
+    requests, choices_per_request = fan_out_requests(prompts, params, n, bool(body.stream))
+    answer = CompletionAnswer(_model_name(body, deployment), params, len(prompts) * n, _include_usage(body),
+                              logprobs=body.logprobs, echo_texts=echo_texts, choices_per_prompt=n)
+    return EngineCall(prompt=prompts[0], params=params, adapter=adapter,
+                      cache_scope=CacheScope(tenant, body.cache_salt), is_stream=bool(body.stream), answer=answer,
+                      identity={"x-model-id": deployment.base_model, **adapter_headers},
+                      fan_out=requests, choices_per_request=choices_per_request)
 
 
 def _model_name(body: Body, deployment: Deployment) -> str:

@@ -229,7 +229,7 @@ def test_presence_and_frequency_penalties_change_the_greedy_answer(live) -> None
      openai.BadRequestError, "messages[0].tool_call_id"),
     (lambda c: c.chat.completions.create(model="", messages=[{"role": "critic", "content": "x"}]),
      openai.BadRequestError, "messages[0].role"),
-    (lambda c: c.completions.create(model="", prompt=["a", "b"]), openai.BadRequestError, "prompt"),
+    (lambda c: c.completions.create(model="", prompt=["a", ""]), openai.BadRequestError, "prompt[1]"),
     (lambda c: c.completions.create(model="", prompt="a", suffix="b"), openai.BadRequestError, "suffix"),
     (lambda c: c.completions.create(model="", prompt="a", logit_bias={"x": 1}), openai.BadRequestError,
      "logit_bias"),
@@ -325,3 +325,48 @@ def test_a_replaced_pbase_version_never_reuses_the_old_kv(live, tmp_path) -> Non
     register("shout")  # the same id, `swap/1`, now another blob
     replaced = ask()
     assert replaced.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_n_choices_stream_interleaved_by_index_each_as_its_seeds_single_choice(live) -> None:
+    """Choice j of a streamed n draws with seed + j: the oracle is the whole n=1 answer with that seed."""
+    client = _client(live)
+    request = dict(model="", messages=MESSAGES, max_tokens=8, temperature=1)
+    texts: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    indices = []
+    for chunk in client.chat.completions.create(stream=True, n=3, seed=7, **request):
+        assert isinstance(chunk, openai.types.chat.ChatCompletionChunk)
+        for choice in chunk.choices:
+            indices.append(choice.index)
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert sorted(set(indices)) == [0, 1, 2] and indices != sorted(indices)  # interleaved
+    for j in range(3):
+        single = client.chat.completions.create(n=1, seed=7 + j, **request).choices[0]
+        assert (texts[j], finishes[j]) == (single.message.content, single.finish_reason)
+
+
+def test_a_list_of_prompts_gives_one_choice_per_prompt_and_n(live) -> None:
+    client = _client(live)
+    prompts = [PROMPT, "One, two, three,"]
+    whole = client.completions.create(model="", prompt=prompts, n=2, seed=3, max_tokens=6, temperature=1)
+    assert isinstance(whole, openai.types.Completion) and [c.index for c in whole.choices] == [0, 1, 2, 3]
+    prompt_tokens = 0
+    for p, prompt in enumerate(prompts):
+        single = client.completions.create(model="", prompt=prompt, n=2, seed=3, max_tokens=6, temperature=1)
+        assert [c.text for c in whole.choices[2 * p: 2 * p + 2]] == [c.text for c in single.choices]
+        prompt_tokens += single.usage.prompt_tokens
+    assert whole.usage.prompt_tokens == prompt_tokens
+    streamed: dict[int, str] = {}
+    usage = None
+    for chunk in client.completions.create(model="", prompt=prompts, n=2, seed=3, max_tokens=6, temperature=1,
+                                           stream=True, echo=True, stream_options={"include_usage": True}):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+        usage = chunk.usage or usage
+    # Streamed, choice j of a prompt draws with seed + j (the whole answer ranks its candidates).
+    for p, prompt in enumerate(prompts):
+        assert sorted(streamed[2 * p + j] for j in range(2)) == sorted(
+            prompt + c.text for c in whole.choices[2 * p: 2 * p + 2])
+    assert usage.prompt_tokens == prompt_tokens

@@ -262,11 +262,13 @@ def test_a_full_server_raises_rate_limit_with_retry_after(live) -> None:
             list(_client(live).chat.completions.create(model="", messages=MESSAGES, max_tokens=2, stream=True))
 
 
-def test_a_stream_left_by_its_client_frees_the_engine(live) -> None:
+@pytest.mark.parametrize("fan_out", [{}, {"prompt": ["Count:", "List:"], "n": 2, "temperature": 1}],
+                         ids=["one_request", "fanned_out"])
+def test_a_stream_left_by_its_client_frees_the_engine(live, fan_out) -> None:
     disconnects = live.state.metrics.disconnects
     before = disconnects._value.get()
-    stream = _client(live).completions.create(model="", prompt="Count:", max_tokens=1500, stream=True,
-                                              temperature=0)
+    stream = _client(live).completions.create(**{"model": "", "prompt": "Count:", "max_tokens": 1500, "stream": True,
+                                                 "temperature": 0, **fan_out})
     next(iter(stream))
     stream.close()
     wait_until(lambda: engine_is_idle(live), 10)

@@ -86,6 +86,7 @@ def fan_out_requests(prompts: Sequence[str | list[int]], params: SamplingParams,
     else:
         requests, choices_per_request = tuple((prompt, params) for prompt in prompts), n
     if len(requests) > MAX_FANNED_OUT_REQUESTS:
-        raise ValidationError("prompt" if len(prompts) > 1 else "n", f"{len(prompts)} prompt(s) x n={n} is {len(requests)} engine requests; "
-                                        f"at most {MAX_FANNED_OUT_REQUESTS}")
+        raise ValidationError("prompt" if len(prompts) > 1 else "n",
+                              f"{len(prompts)} prompt(s) x n={n} is {len(requests)} engine requests; "
+                              f"at most {MAX_FANNED_OUT_REQUESTS}")
     return requests, choices_per_request

@@ -67,10 +67,12 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
     response_format: dict[str, Any] | None = None
-    # Refused unless neutral (`server.openai_api.params.refuse_unsupported`).
+    # Tool calling (`server.openai_api.tools`).
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     tool_prompt: str | None = None  # TGI's: the text that introduces the tools in the prompt
+    parallel_tool_calls: bool | None = None
+    # Refused unless neutral (`server.openai_api.params`, `server.openai_api.tools` for functions).
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
@@ -81,7 +83,6 @@ class ChatCompletionRequest(_Sampling):
     web_search_options: dict[str, Any] | None = None
     moderation: Any = None
     store: bool | None = None
-    parallel_tool_calls: bool | None = None
     # Ignored by design: hints to OpenAI's own infrastructure (tiers, caching, storage metadata).
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None

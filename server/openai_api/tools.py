@@ -142,7 +142,8 @@ def template_tool_calls(calls: list[Any], where: str) -> list[dict[str, Any]]:
 def _template_call(call: Any, where: str) -> dict[str, Any]:
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise ValidationError(where, "must be {\"id\", \"type\": \"function\", \"function\": {\"name\", \"arguments\"}}")
+        raise ValidationError(where, "must be {\"id\", \"type\": \"function\", "
+                                     "\"function\": {\"name\", \"arguments\"}}")
     try:
         arguments = json.loads(function.get("arguments") or "{}")
     except (TypeError, json.JSONDecodeError):

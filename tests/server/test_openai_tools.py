@@ -185,9 +185,10 @@ def test_a_tool_result_in_the_history_is_rendered_and_answered(live) -> None:
     # The prompt is the history as this server renders it for a template that does not know tools:
     # the tools in the system message, the call in the format, the result as a user turn.
     tokenizer = live.state.engine_info.tokenizer
+    arguments = json.loads(call.function.arguments)
     inputs = json.dumps({"messages": [
         *ASK, {"role": "assistant", "content": "", "tool_calls": [
-            {"type": "function", "function": {"name": "get_weather", "arguments": json.loads(call.function.arguments)}}]},
+            {"type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
         {"role": "tool", "content": '{"temperature": 21}', "tool_call_id": call.id}], "tools": TOOLS})
     prompt = render_chat_prompt(inputs, tokenizer)
     assert f'<tool_call>\n{{"name": "get_weather", "arguments": {call.function.arguments}}}\n</tool_call>' in prompt

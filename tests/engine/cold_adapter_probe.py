@@ -2,11 +2,12 @@
 core of the machine (no pinning inherited from pytest, which can hide a thread starving another of the
 GIL), and prints the figures as one JSON line. Run by tests/engine/test_cold_adapter_wait.py:
 
-    python -m tests.engine.cold_adapter_probe {sync|async} ADAPTER_DIR
+    python -m tests.engine.cold_adapter_probe {sync|async} ADAPTER_DIR...
 
 `sync` drives `Engine.generate`'s loop (the engine thread is the main thread); `async` an `AsyncEngine`
-(the engine thread is its loop thread). Printed: `seconds` (acquire to the finished answer),
-`wait_seconds` (acquire to the load settling) and `wait_cpu_seconds` (the engine thread's CPU time meanwhile).
+(the engine thread is its loop thread). Printed, one entry per adapter (each cold, in turn): `seconds`
+(acquire to the finished answer), `wait_seconds` (acquire to the load settling) and `wait_cpu_seconds`
+(the engine thread's CPU time meanwhile).
 """
 from __future__ import annotations
 
@@ -40,21 +41,27 @@ def measure_sync(engine: Engine, adapter_dir: str) -> dict[str, float]:
     return {"seconds": time.monotonic() - start, "wait_seconds": wait_seconds, "wait_cpu_seconds": wait_cpu_seconds}
 
 
-async def measure_async(engine: Engine, adapter_dir: str) -> dict[str, float]:
+async def measure_async(engine: Engine, adapter_dirs: list[str]) -> list[dict[str, float]]:
     front = AsyncEngine(engine)
     await front.start()
     loop_thread = next(thread for thread in threading.enumerate() if thread.name == "engine-loop")
     clock = time.pthread_getcpuclockid(loop_thread.ident)
+    figures = [await _measure_one_async(front, clock, adapter_dir) for adapter_dir in adapter_dirs]
+    await front.shutdown()
+    return figures
+
+
+async def _measure_one_async(front: AsyncEngine, clock: int, adapter_dir: str) -> dict[str, float]:
+    adapters = front.engine.adapters
     start, cpu_start = time.monotonic(), time.clock_gettime(clock)
     # A second hold on the same load (it joins the one the request starts): to see when it settles.
-    watch = engine.adapters.acquire(engine.adapters.parse(adapter_dir))
+    watch = adapters.acquire(adapters.parse(adapter_dir))
     answer = asyncio.create_task(_answer(front, adapter_dir))
     await asyncio.wrap_future(watch.load)
     wait_seconds, wait_cpu_seconds = time.monotonic() - start, time.clock_gettime(clock) - cpu_start
     await answer
     seconds = time.monotonic() - start
     watch.release()
-    await front.shutdown()
     return {"seconds": seconds, "wait_seconds": wait_seconds, "wait_cpu_seconds": wait_cpu_seconds}
 
 
@@ -63,12 +70,15 @@ async def _answer(front: AsyncEngine, adapter_dir: str) -> None:
         assert output.error is None, output.error
 
 
-def main(mode: str, adapter_dir: str) -> None:
+def main(mode: str, adapter_dirs: list[str]) -> None:
     engine = Engine.from_config(EngineConfig())
     engine.generate([PROMPT], ONE_TOKEN)  # warm: the base model's first step is not what is measured
-    figures = measure_sync(engine, adapter_dir) if mode == "sync" else asyncio.run(measure_async(engine, adapter_dir))
-    print(json.dumps({"cpus": sorted(os.sched_getaffinity(0)), **figures}))
+    if mode == "sync":
+        figures = [measure_sync(engine, adapter_dir) for adapter_dir in adapter_dirs]
+    else:
+        figures = asyncio.run(measure_async(engine, adapter_dirs))
+    print(json.dumps({"cpus": sorted(os.sched_getaffinity(0)), "adapters": figures}))
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(sys.argv[1], sys.argv[2:])

@@ -13,10 +13,10 @@
 // rather than all of B once per row tile (from L2, or beyond once B outgrows it).
 // The pages come from memory: a decode step reads each adapter's pages once, every layer, and they
 // outgrow the caches between steps. The op requests them itself, a fixed distance ahead of its tiles
-// (`StreamFetch`): a page is a few KB to a few tens, and a call reads 4-6 pools at once, too short
-// and too many runs for the hardware's prefetcher to reach full speed on its own (AMD Zen 5, 118
-// one-token segments, pages in ascending order: 17 GB/s without the requests, 25-30 with them, 40 for
-// one plain stream of the same bytes).
+// (`StreamFetch`; the distance is kernels/tuning.py's `lora_fetch_lead_bytes*`): a page is a few KB to
+// a few tens, and a call reads 4-6 pools at once, too short and too many runs for the hardware's
+// prefetcher to reach full speed on its own (the read rates with and without the requests are in
+// docs/benchmarks.md).
 // The delta is accumulated in float32 and added to y with one rounding, as the reference does. Weights
 // are float32 (any x and y dtype) or bf16 (bf16 x and y, the engine's bf16 model: `vdpbf16ps` on
 // AVX512-BF16, widened elsewhere).

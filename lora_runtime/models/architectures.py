@@ -75,6 +75,7 @@ class ModelShape:
     tie_word_embeddings: bool
     qkv_bias: bool
     o_bias: bool
+    fused_modules: bool = False  # the checkpoint's projections are Phi-3's qkv_proj and gate_up_proj
 
     @property
     def q_size(self) -> int:
@@ -85,8 +86,11 @@ class ModelShape:
         return self.num_kv_heads * self.head_dim
 
     def module_dims(self) -> dict[str, tuple[int, int]]:
-        """(in_features, out_features) of every linear module an adapter may target, by HF name."""
-        return {
+        """(in_features, out_features) of every linear module an adapter may target, by HF name (and
+        Phi-3's fused modules, which its adapters target)."""
+        fused = {"qkv_proj": (self.hidden_size, self.q_size + 2 * self.kv_size),
+                 "gate_up_proj": (self.hidden_size, 2 * self.intermediate_size)} if self.fused_modules else {}
+        return fused | {
             "q_proj": (self.hidden_size, self.q_size),
             "k_proj": (self.hidden_size, self.kv_size),
             "v_proj": (self.hidden_size, self.kv_size),
@@ -147,6 +151,7 @@ def model_shape_from_config(config) -> ModelShape:
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         qkv_bias=attention_bias if spec.qkv_bias is None else spec.qkv_bias,
         o_bias=attention_bias if spec.o_bias is None else spec.o_bias,
+        fused_modules=spec.fused_checkpoint,
     )
 
 

@@ -30,6 +30,8 @@ def tiny_config(model_type: str):
         return Qwen2Config(**TINY_DIMS, tie_word_embeddings=False, use_sliding_window=False)
     if model_type == "mistral":
         return MistralConfig(**TINY_DIMS, sliding_window=None, tie_word_embeddings=False)
+    if model_type == "mistral-window":
+        return MistralConfig(**TINY_DIMS, sliding_window=WINDOW, tie_word_embeddings=False)
     if model_type in FAMILY_CONFIGS:
         return FAMILY_CONFIGS[model_type]()
     raise ValueError(model_type)

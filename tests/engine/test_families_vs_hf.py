@@ -9,9 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kernels
 from kernels import cpu_ops
+from lora_runtime.config import SchedulerConfig
 from lora_runtime.core import Request, SamplingParams
-from tests.engine.factories import FAMILY_CONFIGS
+from lora_runtime.kv_cache import KVCacheManager
+from lora_runtime.loader import load_model
+from lora_runtime.model_runner import ModelRunner
+from lora_runtime.scheduler import Scheduler
+from tests.engine.factories import FAMILY_CONFIGS, WINDOW, save_tiny_model
 from tests.engine.test_model_vs_hf import ATOL, _build, _hf_logits
 
 BACKENDS = [
@@ -46,3 +52,38 @@ def test_family_logits_and_greedy_tokens_match_hf(tmp_path, family: str, backend
             logits = _hf_logits(hf_model, request.all_token_ids)
         expected = logits[request.num_prompt_tokens - 1 : -1].argmax(-1).tolist()
         assert request.output_token_ids == expected and len(expected) >= 5
+
+
+@pytest.mark.parametrize("family", ["mistral-window", "phi3"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_blocks_outside_every_window_are_released_and_long_contexts_served(tmp_path, family: str, backend: str) -> None:
+    """Models whose every layer has a window: prompts and generations several times the window, in
+    chunks of 4 tokens, match HF's logits while each request holds only the blocks its window reads;
+    the released blocks are counted."""
+    hf_model = save_tiny_model(family, tmp_path)
+    model = load_model(tmp_path, "float32", "cpu", kernels.backend_for("cpu", backend))
+    window = model.features.max_window
+    assert window in (WINDOW, WINDOW + 1)
+    kv = KVCacheManager(num_blocks=40, block_size_tokens=4, window=window)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=4), kv)
+    runner = ModelRunner(model, kv, 40, "cpu")
+    generator = torch.Generator().manual_seed(3)
+    requests = [Request(f"r{i}", torch.randint(3, 97, (n,), generator=generator).tolist(), SamplingParams())
+                for i, n in enumerate((23, 9))]
+    for request in requests:
+        scheduler.add_request(request)
+    most_held = 0
+    while min(len(r.output_token_ids) for r in requests) < 14:
+        output = scheduler.schedule()
+        result = runner.execute(output)
+        scheduler.update_after_step(output)
+        for request, row in zip(result.rows.sample_requests, result.rows.sample_rows):
+            expected = _hf_logits(hf_model, request.all_token_ids)[-1]
+            torch.testing.assert_close(result.logits[row], expected, atol=ATOL, rtol=0)
+            request.output_token_ids.append(int(result.logits[row].argmax()))
+        most_held = max(most_held, kv.num_blocks - kv.num_free_blocks)
+    # Each holds the blocks of its window and of one chunk (4): at most ceil((window - 1 + 4) / 4) + 1.
+    assert most_held <= 2 * (-(-(window + 3) // 4) + 1)
+    lengths = [r.num_computed_tokens for r in requests]
+    expected_released = sum(max(0, n - window + 1) // 4 for n in lengths)
+    assert kv.num_released_outside_window == expected_released >= 8

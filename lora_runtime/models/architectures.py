@@ -56,6 +56,7 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     "gemma3_text": ArchitectureSpec(norms=SANDWICH_NORMS, qk_norm="head", norm_plus_one=True, scaled_embedding=True),
 }
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +191,9 @@ def _layer_windows(config, num_layers: int) -> tuple[int | None, ...]:
     types = getattr(config, "layer_types", None)
     if types is None:
         return (int(window),) * num_layers
+    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if unknown:
+        raise ValidationError("model", f"layer types {unknown} are not supported; supported: {list(LAYER_TYPES)}")
     return tuple(int(window) if kind == "sliding_attention" else None for kind in types)
 
 

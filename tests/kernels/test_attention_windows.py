@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from kernels import StepSequences, reference
+from kernels.attention.plans import TritonAttentionPlan
+from kernels.attention.triton_ops import paged_attention_triton
 from tests.kernels.factories import scattered_paged_batch
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
@@ -54,6 +56,18 @@ def test_cpu_backends_window_and_softcap_match_twin(cpu_backend, dtype, head_dim
 @pytest.mark.parametrize("q_lens,seq_lens", BATCHES)
 def test_triton_window_and_softcap_match_twin(triton_backend, window, softcap, q_lens, seq_lens) -> None:
     _check(triton_backend, torch.float32, q_lens, seq_lens, 16, window, softcap)
+
+
+def test_triton_split_decode_with_splits_wholly_before_the_window() -> None:
+    """Split-KV decode where the first splits of a long context lie before its window (they hold no
+    key, and the merge gives them no weight)."""
+    gen = torch.Generator().manual_seed(5)
+    q, k_cache, v_cache, step = scattered_paged_batch([1, 1], [7, 61], 4, 2, 16, 8, torch.float32, gen)
+    reused = _reused_blocks(step, 6, k_cache.shape[0], gen)
+    out = paged_attention_triton(q, k_cache, v_cache, TritonAttentionPlan.build(reused, q.device), 0.3, window=6,
+                                 softcap=2.0, num_splits=4)
+    expected = reference.paged_attention(q, k_cache, v_cache, step, 0.3, window=6, softcap=2.0)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
 
 
 def test_reference_window_is_hf_sliding_mask() -> None:

@@ -87,3 +87,25 @@ def test_blocks_outside_every_window_are_released_and_long_contexts_served(tmp_p
     lengths = [r.num_computed_tokens for r in requests]
     expected_released = sum(max(0, n - window + 1) // 4 for n in lengths)
     assert kv.num_released_outside_window == expected_released >= 8
+
+
+def test_a_sharded_checkpoint_loads_tensor_by_tensor_across_its_files(tmp_path) -> None:
+    """A checkpoint saved in shards with an index (as real ones are) serves the same logits as HF."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.engine.factories import tiny_config
+
+    torch.manual_seed(2)
+    hf_model = AutoModelForCausalLM.from_config(tiny_config("gemma3_text"), dtype=torch.float32).eval()
+    hf_model.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="40KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 2 and (tmp_path / "model.safetensors.index.json").is_file()
+    model = load_model(tmp_path, "float32", "cpu", kernels.backend_for("cpu", "torch"))
+    kv = KVCacheManager(num_blocks=8, block_size_tokens=4)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64), kv)
+    runner = ModelRunner(model, kv, 8, "cpu")
+    request = Request("r", list(range(3, 16)), SamplingParams(decoder_input_details=True))
+    scheduler.add_request(request)
+    result = runner.execute(scheduler.schedule())
+    _, first_position, first_row, num_rows = result.rows.prompt_rows[0]
+    expected = _hf_logits(hf_model, request.all_token_ids)[first_position : first_position + num_rows]
+    torch.testing.assert_close(result.logits[first_row : first_row + num_rows], expected, atol=ATOL, rtol=0)

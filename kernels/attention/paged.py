@@ -5,7 +5,7 @@
   across programs (flash-decoding) and a second kernel merges the partial softmaxes.
 - prefill / chunked prefill: one program per (sequence, tile of new tokens, query head) walks the
   cached blocks up to its causal limit with an online softmax.
-- a sliding window (WINDOW > 0) starts each walk at the block of the first key any of the program's
+- a sliding window (`window` > 0) starts each walk at the block of the first key any of the program's
   tokens sees, and masks the older keys of that block; a soft cap (HAS_SOFTCAP) turns each score s
   into softcap * tanh(s / softcap) before the softmax (Gemma 2).
 Keys are tiled one cache block at a time, so block_size must be a power of two (>= 16 on GPU)."""

@@ -12,7 +12,12 @@ import kernels
 from lora_runtime.dtypes import DTYPES
 from lora_runtime.errors import ValidationError
 from lora_runtime.layers.rotary import RotaryEmbedding
-from lora_runtime.models.architectures import ModelFeatures, ModelShape, model_features_from_config, model_shape_from_config
+from lora_runtime.models.architectures import (
+    ModelFeatures,
+    ModelShape,
+    model_features_from_config,
+    model_shape_from_config,
+)
 from lora_runtime.models.llama import LayerWeights, LlamaModel, ModelWeights
 from lora_runtime.models.rope import rope_frequencies
 
@@ -50,7 +55,8 @@ class _TensorReader:
 class _LayerReader:
     """The weights of one decoder layer, as the family lays them out in its checkpoint."""
 
-    def __init__(self, reader: _TensorReader, shape: ModelShape, features: ModelFeatures, backend: kernels.Backend) -> None:
+    def __init__(self, reader: _TensorReader, shape: ModelShape, features: ModelFeatures,
+                 backend: kernels.Backend) -> None:
         self.reader, self.shape, self.features, self.backend = reader, shape, features, backend
 
     def norm(self, name: str, width: int) -> torch.Tensor:

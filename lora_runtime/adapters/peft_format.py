@@ -193,7 +193,8 @@ def _module_weights(
     return LoraModuleWeights(lora_a, lora_b, alpha / denominator)
 
 
-def _unfused(modules: dict[ModuleKey, LoraModuleWeights], base_shape: BaseModelShape) -> dict[ModuleKey, LoraModuleWeights]:
+def _unfused(modules: dict[ModuleKey, LoraModuleWeights],
+             base_shape: BaseModelShape) -> dict[ModuleKey, LoraModuleWeights]:
     """Each factor pair of a fused module (Phi-3's qkv_proj, gate_up_proj) as its parts' pairs, in
     layer then module order; refuses a fused module the base model does not have, or whose B does not
     split into its parts' widths."""

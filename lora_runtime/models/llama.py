@@ -91,10 +91,12 @@ class LlamaModel:
             residual = residual * self.embedding_scale
         x = self._norm(residual, layers[0].attention_in_norm) if layers[0].attention_in_norm is not None else residual
         for layer_idx, layer in enumerate(layers):
-            attended = self._sublayer_out(self._attention(layer_idx, layer, x, batch, kv_cache), layer.attention_out_norm)
+            attended = self._attention(layer_idx, layer, x, batch, kv_cache)
+            attended = self._sublayer_out(attended, layer.attention_out_norm)
             x = self._add_and_norm(attended, residual, layer.mlp_in_norm)
             mlp_out = self._sublayer_out(self._mlp(layer_idx, layer, x, batch), layer.mlp_out_norm)
-            next_norm = layers[layer_idx + 1].attention_in_norm if layer_idx + 1 < len(layers) else self.weights.final_norm
+            is_last = layer_idx + 1 == len(layers)
+            next_norm = self.weights.final_norm if is_last else layers[layer_idx + 1].attention_in_norm
             x = self._add_and_norm(mlp_out, residual, next_norm)
         return self._logits(x.index_select(0, batch.logits_indices))
 

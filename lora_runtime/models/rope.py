@@ -29,7 +29,8 @@ def check_rope(config, layer_type: str | None) -> None:
                                        f"{list(STATIC_ROPE_TYPES)}")
     factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
     if factor not in (None, 1.0):
-        raise ValidationError("model", f"partial_rotary_factor {factor} is not supported (rotary over the whole head only)")
+        raise ValidationError("model", f"partial_rotary_factor {factor} is not supported "
+                                       "(rotary over the whole head only)")
 
 
 def rope_frequencies(config, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
@@ -48,6 +49,8 @@ def rope_frequencies(config, head_dim: int, layer_type: str | None = None) -> tu
         return 1.0 / (theta**exponents), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    keyed = layer_type is not None and isinstance((getattr(config, "rope_parameters", None) or {}).get(layer_type), dict)
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), layer_type=layer_type if keyed else None)
+    by_type = getattr(config, "rope_parameters", None) or {}
+    keyed = layer_type is not None and isinstance(by_type.get(layer_type), dict)
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"),
+                                                       layer_type=layer_type if keyed else None)
     return inv_freq, float(scaling)

@@ -89,7 +89,8 @@ def _gemma3_text():
     from transformers import Gemma3TextConfig
 
     return Gemma3TextConfig(**{**TINY_DIMS, "num_hidden_layers": 3}, head_dim=16, query_pre_attn_scalar=24,
-                            sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                            sliding_window=WINDOW,
+                            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                             rope_scaling={"rope_type": "linear", "factor": 4.0}, rope_local_base_freq=100.0,
                             rope_theta=5000.0, initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 

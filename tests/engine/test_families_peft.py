@@ -17,7 +17,8 @@ from tests.engine.factories import FAMILY_CONFIGS, save_tiny_model
 
 ATOL = 1e-4
 SEPARATE = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-TARGETS = {family: SEPARATE for family in FAMILY_CONFIGS} | {"phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
+TARGETS = {family: SEPARATE for family in FAMILY_CONFIGS}
+TARGETS["phi3"] = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 PROMPTS = [[5, 17, 33, 9, 60, 12, 77, 41, 8, 19, 23], [44, 3, 90, 61, 7, 15, 28, 70], [5, 17, 33, 9, 60, 12, 77]]
 
 

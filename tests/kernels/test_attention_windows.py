@@ -22,7 +22,8 @@ BATCHES = [
 ]
 
 
-def _reused_blocks(step: StepSequences, window: int | None, num_blocks: int, generator: torch.Generator) -> StepSequences:
+def _reused_blocks(step: StepSequences, window: int | None, num_blocks: int,
+                   generator: torch.Generator) -> StepSequences:
     """`step` with each table's blocks before its first visible key replaced by random block ids."""
     if window is None:
         return step
@@ -48,7 +49,8 @@ def _check(backend, dtype, q_lens, seq_lens, head_dim, window, softcap) -> None:
 @pytest.mark.parametrize("head_dim", [16, 64])
 @pytest.mark.parametrize("window,softcap", [(5, None), (17, 2.0), (None, 2.0)])
 @pytest.mark.parametrize("q_lens,seq_lens", BATCHES)
-def test_cpu_backends_window_and_softcap_match_twin(cpu_backend, dtype, head_dim, window, softcap, q_lens, seq_lens) -> None:
+def test_cpu_backends_window_and_softcap_match_twin(cpu_backend, dtype, head_dim, window, softcap, q_lens,
+                                                    seq_lens) -> None:
     _check(cpu_backend, dtype, q_lens, seq_lens, head_dim, window, softcap)
 
 

@@ -70,8 +70,11 @@ class LlamaModel:
         self.weights = weights
         self.rotary = rotary  # by the keys of `features.layer_rope`
         self.features = features
-        self.embedding_scale = (torch.tensor(features.embedding_scale, dtype=self.dtype)
-                                if features.spec.scaled_embedding else features.embedding_scale)
+        # Gemma rounds its scale to the model's dtype first (a tensor); Granite's multiplier is a float.
+        self.embedding_scale: torch.Tensor | float = features.embedding_scale
+        if features.spec.scaled_embedding:
+            self.embedding_scale = torch.tensor(features.embedding_scale, dtype=self.dtype,
+                                                device=weights.embed_tokens.device)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -10,8 +10,8 @@
 // (one contiguous vector conversion per cached row), then each query row takes vector dot products,
 // a softmax and a weighted sum. Work is O(q_len * context * D) in vector loops, which is why long
 // prefills take the matmul path in Python (kernels.tuning.COMPILED_PREFILL_MAX_WORK). The AVX-512
-// forms have a register-blocked kernel for head sizes 64 and 128 (attention_avx512.h), for attention
-// without a window or a soft cap; those take the portable loops, which read only the window's keys.
+// forms have a register-blocked kernel for head sizes 64 and 128 (attention_avx512.h), which reads only
+// a window's keys; soft-capped attention (Gemma 2) takes the portable loops.
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -99,7 +99,7 @@ void attend_tasks_avx512(const AttentionArgs& a, const Layout& l, int64_t begin,
   for (int64_t task = begin; task < end; ++task) {
     const int64_t seq = a.seqs[task / a.num_kv_heads], kv_head = task % a.num_kv_heads;
     const int64_t ctx = a.seq_lens[seq], first_token = a.query_start[seq], q_len = a.query_start[seq + 1] - first_token;
-    const CacheView cache{a.block_tables + seq * a.max_blocks, a.block_size, l.block_stride, l.token_stride};
+    CacheView cache{a.block_tables + seq * a.max_blocks, a.block_size, l.block_stride, l.token_stride};
     if (task + 1 < end) {  // the next task's first key block, fetched while this task runs
       const int64_t next_seq = a.seqs[(task + 1) / a.num_kv_heads], next_head = (task + 1) % a.num_kv_heads;
       prefetch_block(k_cache + next_head * l.kv_head_stride + a.block_tables[next_seq * a.max_blocks] * l.block_stride,
@@ -114,8 +114,10 @@ void attend_tasks_avx512(const AttentionArgs& a, const Layout& l, int64_t begin,
         q_rows[g] = q + token * a.q_row_stride + head * a.q_head_stride;
         out_rows[g] = out + token * a.out_row_stride + head * a.out_head_stride;
       }
+      const int64_t end = ctx - q_len + i + 1;  // keys [cache.first, end): all, or the window's
+      cache.first = a.window > 0 ? std::max<int64_t>(0, end - a.window) : 0;
       attend_group<T, D / 16>(q_rows.data(), out_rows.data(), l.group, a.scale, k_cache + kv_head * l.kv_head_stride,
-                              v_cache + kv_head * l.kv_head_stride, cache, ctx - q_len + i + 1, scores.data());
+                              v_cache + kv_head * l.kv_head_stride, cache, end - cache.first, scores.data());
     }
   }
 }
@@ -160,7 +162,7 @@ void attend_tasks(const AttentionArgs& a, int64_t begin, int64_t end) {
   const Layout layout(a);
 #if defined(__AVX512F__)
   if constexpr (kHasAvx512Attention<T> && (D == 64 || D == 128)) {
-    if (a.window == 0 && a.softcap == 0.f) {
+    if (a.softcap == 0.f) {
       attend_tasks_avx512<T, D>(a, layout, begin, end);
       return;
     }

@@ -44,7 +44,8 @@ inline void store16(T* p, __m512 v) {
 template <typename T>
 constexpr bool kHasAvx512Attention = std::is_same_v<T, float> || std::is_same_v<T, bf16>;
 
-// Walks positions [0, num_keys) of one sequence's cache through its block table. The rows of the
+// Walks positions [first, first + num_keys) of one sequence's cache through its block table (first > 0:
+// a sliding window's keys), visiting each as (position - first, row). The rows of the
 // next block are prefetched while this one is used: blocks are scattered pages, which the hardware
 // prefetcher does not follow, and the step is bound by reading the cache.
 template <typename T>
@@ -57,20 +58,23 @@ inline void prefetch_block(const T* block_base, int64_t count, int64_t token_str
 
 template <typename T, typename Visit>
 inline void for_each_cached_row(const T* base, const int32_t* table, int64_t block_size, int64_t block_stride,
-                                int64_t token_stride, int64_t head_bytes, int64_t num_keys, Visit visit) {
-  for (int64_t pos = 0, block = 0; pos < num_keys; ++block) {
+                                int64_t token_stride, int64_t head_bytes, int64_t first, int64_t num_keys, Visit visit) {
+  const int64_t end = first + num_keys;
+  for (int64_t pos = first, block = first / block_size; pos < end; ++block) {
+    const int64_t offset = pos % block_size;  // non-zero only in a window's first block
     const T* row = base + table[block] * block_stride;
-    const int64_t count = std::min(block_size, num_keys - pos);
-    if (pos + count < num_keys)
-      prefetch_block(base + table[block + 1] * block_stride, std::min(block_size, num_keys - pos - count), token_stride,
+    const int64_t count = std::min(block_size - offset, end - pos);
+    if (pos + count < end)
+      prefetch_block(base + table[block + 1] * block_stride, std::min(block_size, end - pos - count), token_stride,
                      head_bytes);
-    for (int64_t o = 0; o < count; ++o, ++pos) visit(pos, row + o * token_stride);
+    for (int64_t o = offset; o < offset + count; ++o, ++pos) visit(pos - first, row + o * token_stride);
   }
 }
 
 struct CacheView {
   const int32_t* table;
   int64_t block_size, block_stride, token_stride;
+  int64_t first = 0;  // the first position read (a sliding window's oldest key)
 };
 
 // The sums of 16 vectors' lanes, r[j] = sum(v[j]), as one vector: a tree of in-lane, then 128-bit
@@ -136,7 +140,7 @@ struct QueryProducts<bf16, NV, H> {
 };
 #endif
 
-// H query heads of one token (rows q[h], outputs out[h]) over keys [0, num_keys).
+// H query heads of one token (rows q[h], outputs out[h]) over keys [cache.first, cache.first + num_keys).
 // `scores` holds H * num_keys floats.
 template <typename T, int NV, int H>
 void attend_heads(const T* const* q, T* const* out, float scale, const T* k_base, const T* v_base,
@@ -145,7 +149,8 @@ void attend_heads(const T* const* q, T* const* out, float scale, const T* k_base
   const __m512 scale_v = _mm512_set1_ps(scale);
   constexpr int64_t head_bytes = 16 * NV * static_cast<int64_t>(sizeof(T));
   // The values' first block is fetched while the keys are read.
-  prefetch_block(v_base + cache.table[0] * cache.block_stride, std::min(cache.block_size, num_keys),
+  prefetch_block(v_base + cache.table[cache.first / cache.block_size] * cache.block_stride,
+                 std::min(cache.block_size, num_keys),
                  cache.token_stride, head_bytes);
   // Each key's products stay a vector until 16 keys have them, then 16 scores are summed at once,
   // and their maximum is kept as a vector too (a scalar pass over the scores afterwards is a chain of
@@ -161,7 +166,8 @@ void attend_heads(const T* const* q, T* const* out, float scale, const T* k_base
       max_scores[h] = _mm512_mask_max_ps(max_scores[h], keys, max_scores[h], sums);
     }
   };
-  for_each_cached_row(k_base, cache.table, cache.block_size, cache.block_stride, cache.token_stride, head_bytes, num_keys,
+  for_each_cached_row(k_base, cache.table, cache.block_size, cache.block_stride, cache.token_stride, head_bytes,
+                      cache.first, num_keys,
                       [&](int64_t pos, const T* key_row) {
                         queries.multiply(key_row, products, static_cast<int>(pos % 16));
                         if (pos % 16 == 15) sum_keys(pos - 15, 16);
@@ -182,7 +188,8 @@ void attend_heads(const T* const* q, T* const* out, float scale, const T* k_base
   __m512 acc[H][NV];
   for (int h = 0; h < H; ++h)
     for (int v = 0; v < NV; ++v) acc[h][v] = _mm512_setzero_ps();
-  for_each_cached_row(v_base, cache.table, cache.block_size, cache.block_stride, cache.token_stride, head_bytes, num_keys,
+  for_each_cached_row(v_base, cache.table, cache.block_size, cache.block_stride, cache.token_stride, head_bytes,
+                      cache.first, num_keys,
                       [&](int64_t pos, const T* value_row) {
                         __m512 value[NV];
                         for (int v = 0; v < NV; ++v) value[v] = load16(value_row + 16 * v);

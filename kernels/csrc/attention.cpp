@@ -11,7 +11,7 @@
 // a softmax and a weighted sum. Work is O(q_len * context * D) in vector loops, which is why long
 // prefills take the matmul path in Python (kernels.tuning.COMPILED_PREFILL_MAX_WORK). The AVX-512
 // forms have a register-blocked kernel for head sizes 64 and 128 (attention_avx512.h), which reads only
-// a window's keys; soft-capped attention (Gemma 2) takes the portable loops.
+// a window's keys and caps the scores where asked.
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -116,7 +116,8 @@ void attend_tasks_avx512(const AttentionArgs& a, const Layout& l, int64_t begin,
       }
       const int64_t end = ctx - q_len + i + 1;  // keys [cache.first, end): all, or the window's
       cache.first = a.window > 0 ? std::max<int64_t>(0, end - a.window) : 0;
-      attend_group<T, D / 16>(q_rows.data(), out_rows.data(), l.group, a.scale, k_cache + kv_head * l.kv_head_stride,
+      attend_group<T, D / 16>(q_rows.data(), out_rows.data(), l.group, a.scale, a.softcap,
+                              k_cache + kv_head * l.kv_head_stride,
                               v_cache + kv_head * l.kv_head_stride, cache, end - cache.first, scores.data());
     }
   }
@@ -162,10 +163,8 @@ void attend_tasks(const AttentionArgs& a, int64_t begin, int64_t end) {
   const Layout layout(a);
 #if defined(__AVX512F__)
   if constexpr (kHasAvx512Attention<T> && (D == 64 || D == 128)) {
-    if (a.softcap == 0.f) {
-      attend_tasks_avx512<T, D>(a, layout, begin, end);
-      return;
-    }
+    attend_tasks_avx512<T, D>(a, layout, begin, end);
+    return;
   }
 #endif
   attend_tasks_portable<T, D>(a, layout, begin, end);

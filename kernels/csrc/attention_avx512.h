@@ -140,10 +140,20 @@ struct QueryProducts<bf16, NV, H> {
 };
 #endif
 
+// softcap * tanh(v / softcap) lane by lane (Gemma 2's cap of attention scores), as 1 - 2 / (exp(2x) + 1)
+// with the library's vectorised exponential (clamped, so it saturates to +-1).
+inline __m512 soft_cap(__m512 v, float softcap) {
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, v);
+#pragma omp simd
+  for (int j = 0; j < 16; ++j) lanes[j] = softcap * (1.f - 2.f / (vector_exp(2.f * lanes[j] / softcap) + 1.f));
+  return _mm512_load_ps(lanes);
+}
+
 // H query heads of one token (rows q[h], outputs out[h]) over keys [cache.first, cache.first + num_keys).
 // `scores` holds H * num_keys floats.
 template <typename T, int NV, int H>
-void attend_heads(const T* const* q, T* const* out, float scale, const T* k_base, const T* v_base,
+void attend_heads(const T* const* q, T* const* out, float scale, float softcap, const T* k_base, const T* v_base,
                   const CacheView& cache, int64_t num_keys, float* scores) {
   const QueryProducts<T, NV, H> queries(q);
   const __m512 scale_v = _mm512_set1_ps(scale);
@@ -161,7 +171,8 @@ void attend_heads(const T* const* q, T* const* out, float scale, const T* k_base
     const __mmask16 keys = static_cast<__mmask16>((1u << count) - 1);
     for (int h = 0; h < H; ++h) {
       for (int j = count; j < 16; ++j) products[h][j] = _mm512_setzero_ps();
-      const __m512 sums = _mm512_mul_ps(sum_lanes_of_16(products[h]), scale_v);
+      __m512 sums = _mm512_mul_ps(sum_lanes_of_16(products[h]), scale_v);
+      if (softcap > 0.f) sums = soft_cap(sums, softcap);
       _mm512_mask_storeu_ps(scores + h * num_keys + first, keys, sums);
       max_scores[h] = _mm512_mask_max_ps(max_scores[h], keys, max_scores[h], sums);
     }
@@ -207,18 +218,21 @@ void attend_heads(const T* const* q, T* const* out, float scale, const T* k_base
 // All heads of a group for one token, in chunks that keep queries and accumulators in registers
 // (4 heads of 64 or 2 heads of 128: 16 registers each for queries and for accumulators).
 template <typename T, int NV>
-void attend_group(const T* const* q, T* const* out, int64_t group, float scale, const T* k_base, const T* v_base,
+void attend_group(const T* const* q, T* const* out, int64_t group, float scale, float softcap, const T* k_base,
+                  const T* v_base,
                   const CacheView& cache, int64_t num_keys, float* scores) {
   constexpr int kMaxHeads = 16 / NV;
   for (int64_t h = 0; h < group; h += kMaxHeads) {
     switch (std::min<int64_t>(kMaxHeads, group - h)) {
-      case 1: attend_heads<T, NV, 1>(q + h, out + h, scale, k_base, v_base, cache, num_keys, scores); break;
-      case 2: attend_heads<T, NV, 2>(q + h, out + h, scale, k_base, v_base, cache, num_keys, scores); break;
+      case 1: attend_heads<T, NV, 1>(q + h, out + h, scale, softcap, k_base, v_base, cache, num_keys, scores); break;
+      case 2: attend_heads<T, NV, 2>(q + h, out + h, scale, softcap, k_base, v_base, cache, num_keys, scores); break;
       case 3:
-        if constexpr (kMaxHeads >= 3) attend_heads<T, NV, 3>(q + h, out + h, scale, k_base, v_base, cache, num_keys, scores);
+        if constexpr (kMaxHeads >= 3)
+          attend_heads<T, NV, 3>(q + h, out + h, scale, softcap, k_base, v_base, cache, num_keys, scores);
         break;
       default:
-        if constexpr (kMaxHeads >= 4) attend_heads<T, NV, 4>(q + h, out + h, scale, k_base, v_base, cache, num_keys, scores);
+        if constexpr (kMaxHeads >= 4)
+          attend_heads<T, NV, 4>(q + h, out + h, scale, softcap, k_base, v_base, cache, num_keys, scores);
         break;
     }
   }

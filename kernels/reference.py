@@ -57,10 +57,14 @@ def paged_attention(
     v_cache: torch.Tensor,
     step: StepSequences,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens (the last q_len of its context) over its cached
     context. q [T, num_heads, D], caches [num_blocks, block_size, num_kv_heads, D] -> [T, num_heads, D].
-    Query head h reads KV head h // (num_heads // num_kv_heads)."""
+    Query head h reads KV head h // (num_heads // num_kv_heads). With a `window` W, the token at
+    position p sees keys p - W + 1 .. p only (HF's sliding-window mask); with a `softcap` c, scores s
+    become c * tanh(s / c) before the softmax (Gemma 2)."""
     out = torch.empty_like(q)
     starts = step.query_start
     for b, seq_len in enumerate(step.seq_lens):
@@ -69,20 +73,27 @@ def paged_attention(
         keys = k_cache[blocks, positions % step.block_size].float()  # [seq_len, kv_heads, D]
         values = v_cache[blocks, positions % step.block_size].float()
         out[starts[b] : starts[b + 1]] = _causal_attention(
-            q[starts[b] : starts[b + 1]].float(), keys, values, scale
+            q[starts[b] : starts[b + 1]].float(), keys, values, scale, window, softcap
         ).to(q.dtype)
     return out
 
 
-def _causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+def _causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, window: int | None,
+                      softcap: float | None) -> torch.Tensor:
     """q [q_len, H, D] are the last q_len positions of keys/values [seq_len, H_kv, D] -> [q_len, H, D]."""
     q_len, seq_len = q.shape[0], keys.shape[0]
     group = q.shape[1] // keys.shape[1]
     keys = keys.repeat_interleave(group, dim=1)
     values = values.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, keys) * scale  # [H, q_len, seq_len]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     query_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
-    scores = scores.masked_fill(torch.arange(seq_len)[None, :] > query_pos, float("-inf"))
+    key_pos = torch.arange(seq_len)[None, :]
+    hidden = key_pos > query_pos
+    if window is not None:
+        hidden |= key_pos <= query_pos - window
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
 
 
@@ -104,6 +115,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [rows, 2 * width] -> silu(gate) * up [rows, width]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [rows, 2 * width] -> gelu_tanh(gate) * up [rows, width] (Gemma's GeGLU, HF's
+    `gelu_pytorch_tanh`)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up
 
 
 def rotate_qk(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,

@@ -61,7 +61,7 @@ class Engine:
         self.model = model
         num_blocks = _num_kv_blocks(config, model)
         self.kv_cache = KVCacheManager(num_blocks, config.kv_cache.block_size_tokens,
-                                       config.kv_cache.enable_prefix_caching)
+                                       config.kv_cache.enable_prefix_caching, model.features.max_window)
         base_shape = BaseModelShape(model_name, model.shape.num_layers, model.shape.module_dims())
         self.adapters = AdapterManager(config.adapters, base_shape, model.backend, model.dtype, adapter_sources)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.adapters.pages, self._kv_identity)

@@ -6,12 +6,22 @@ its K/V are computed; when its last reference goes it stays cached (evictable) i
 later request whose prefix hashes alike takes it back. Allocation takes free blocks first, then
 evicts the least recently released cached ones. One reference count serves requests sharing a
 cached prefix and best_of forks sharing their prompt alike.
+
+With a sliding window on every layer (Mistral, Phi-3, ...), the blocks wholly before the window of a
+request's next token are never read again and are released as the request advances
+(`release_outside_window`), so what a request holds is bounded by its window. Their entries stay in
+the table, as `RELEASED_BLOCK`, so positions still index it: the kernels never read them (or, where
+one gathers a whole table, mask them).
 """
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+# What a released entry of a block table holds: a real block id, so that a kernel that gathers a
+# whole table (masking what lies outside the window) indexes the cache in bounds.
+RELEASED_BLOCK = 0
 
 
 class BlockAllocator:
@@ -106,9 +116,13 @@ class KVCacheManager:
     once `allocate_slots` has been called for them.
     """
 
-    def __init__(self, num_blocks: int, block_size_tokens: int, enable_prefix_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size_tokens: int, enable_prefix_caching: bool = False,
+                 window: int | None = None) -> None:
         self.block_size_tokens = block_size_tokens
         self.enable_prefix_caching = enable_prefix_caching
+        self.window = window  # every layer attends to the last `window` positions only; None: all
+        self.num_released_outside_window = 0
+        self._num_released: dict[str, int] = {}  # leading entries of each table released (window)
         self.allocator = BlockAllocator(num_blocks)
         self.prefix_stats = PrefixCacheStats()
         self._block_tables: dict[str, list[int]] = {}
@@ -171,9 +185,33 @@ class KVCacheManager:
     def fork(self, parent_id: str, child_id: str, num_shared_tokens: int) -> None:
         """Give `child_id` the parent's full blocks covering `num_shared_tokens` (shared, read-only)."""
         num_full = num_shared_tokens // self.block_size_tokens
-        shared = self._block_tables[parent_id][:num_full]
+        released = min(self._num_released.get(parent_id, 0), num_full)
+        shared = self._block_tables[parent_id][released:num_full]
         self.allocator.share(shared)
-        self._block_tables[child_id] = list(shared)
+        self._block_tables[child_id] = [RELEASED_BLOCK] * released + list(shared)
+        if released:
+            self._num_released[child_id] = released
+
+    def release_outside_window(self, request_id: str, num_computed_tokens: int) -> int:
+        """Release the request's leading blocks that no later token reads: its next token sits at
+        position `num_computed_tokens` and reads the `window` positions up to it, later ones less far
+        back. With prefix caching, a block is kept until it is cached under its hash (then released,
+        it stays cached for other requests). Returns how many blocks were released."""
+        table = self._block_tables.get(request_id)
+        if self.window is None or not table:
+            return 0
+        first_read = max(0, num_computed_tokens - self.window + 1)
+        releasable = min(first_read // self.block_size_tokens, len(table))
+        if self.enable_prefix_caching:
+            releasable = min(releasable, self.num_registered_blocks(request_id))
+        done = self._num_released.get(request_id, 0)
+        if releasable <= done:
+            return 0
+        self.allocator.release(table[done:releasable])
+        table[done:releasable] = [RELEASED_BLOCK] * (releasable - done)
+        self._num_released[request_id] = releasable
+        self.num_released_outside_window += releasable - done
+        return releasable - done
 
     def block_table(self, request_id: str) -> list[int]:
         return self._block_tables[request_id]
@@ -181,6 +219,7 @@ class KVCacheManager:
     def free(self, request_id: str) -> None:
         """Release every block of the request (finish, abort or preemption). Idempotent."""
         self._num_registered.pop(request_id, None)
+        released = self._num_released.pop(request_id, 0)
         table = self._block_tables.pop(request_id, None)
         if table:
-            self.allocator.release(table)
+            self.allocator.release(table[released:])

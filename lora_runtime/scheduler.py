@@ -296,6 +296,7 @@ class Scheduler:
             num_full = request.num_computed_tokens // self.kv_cache.block_size_tokens
             if self.kv_cache.enable_prefix_caching and num_full > self.kv_cache.num_registered_blocks(request.request_id):
                 self.kv_cache.register_full_blocks(request.request_id, self._block_hashes(request, num_full))
+            self.kv_cache.release_outside_window(request.request_id, request.num_computed_tokens)
 
     def finish(self, request: Request, status: RequestStatus = RequestStatus.FINISHED) -> None:
         """Remove a request (finished or aborted) wherever it is and free its blocks (and, if it was

@@ -5,6 +5,9 @@
   across programs (flash-decoding) and a second kernel merges the partial softmaxes.
 - prefill / chunked prefill: one program per (sequence, tile of new tokens, query head) walks the
   cached blocks up to its causal limit with an online softmax.
+- a sliding window (`window` > 0) starts each walk at the block of the first key any of the program's
+  tokens sees, and masks the older keys of that block; a soft cap (HAS_SOFTCAP) turns each score s
+  into softcap * tanh(s / softcap) before the softmax (Gemma 2).
 Keys are tiled one cache block at a time, so block_size must be a power of two (>= 16 on GPU)."""
 from __future__ import annotations
 
@@ -15,8 +18,9 @@ import triton.language as tl
 @triton.jit
 def _attend_block(
     q, k_cache_ptr, v_cache_ptr, block, k_head_offset, v_head_offset, stride_kb, stride_ko, stride_vb, stride_vo,
-    key_mask, visible, row_max, row_sum, acc, scale,
+    key_mask, visible, row_max, row_sum, acc, scale, softcap,
     BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step of queries q [rows, BLOCK_D] over one cache block: `key_mask`
     [BLOCK_SIZE] says which slots of the block hold keys, `visible` [rows, BLOCK_SIZE] which keys
@@ -34,6 +38,8 @@ def _attend_block(
     # "ieee": exact float32 products for a float32 cache (tf32, Triton's default on GPU, keeps 10
     # mantissa bits); 16-bit tiles take the tensor cores either way.
     scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * scale  # [rows, BLOCK_SIZE]
+    if HAS_SOFTCAP:  # tanh(x) = 1 - 2 / (exp(2x) + 1), which saturates to +-1 without overflow trouble
+        scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
     scores = tl.where(visible, scores, float("-inf"))
     new_max = tl.maximum(row_max, tl.max(scores, axis=1))
     probs = tl.exp(scores - new_max[:, None])
@@ -46,11 +52,11 @@ def _attend_block(
 @triton.jit
 def paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, decode_seq_ptr,
-    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, scale, tokens_per_split,
+    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, scale, softcap, window, tokens_per_split,
     stride_qt, stride_qh, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_bt,
     stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     seq = tl.load(decode_seq_ptr + tl.program_id(0))
     kv_head = tl.program_id(1)
@@ -68,17 +74,22 @@ def paged_decode_kernel(
         q = q.to(tl.float32)
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
+    first_key = 0  # the window's first key; the blocks before its block are not read
+    if window > 0:
+        first_key = tl.maximum(seq_len - window, 0)
+        start = tl.maximum(start, first_key // BLOCK_SIZE * BLOCK_SIZE)
     offsets = tl.arange(0, BLOCK_SIZE)
     row_max = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros((BLOCK_G,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
     for pos0 in range(start, end, BLOCK_SIZE):
         block = tl.load(block_tables_ptr + seq * stride_bt + pos0 // BLOCK_SIZE).to(tl.int64)
-        key_mask = pos0 + offsets < end
+        key_mask = (pos0 + offsets < end) & (pos0 + offsets >= first_key)
         row_max, row_sum, acc = _attend_block(
             q, k_cache_ptr, v_cache_ptr, block, kv_head * stride_kh, kv_head * stride_vh,
             stride_kb, stride_ko, stride_vb, stride_vo,
-            key_mask, key_mask[None, :], row_max, row_sum, acc, scale, BLOCK_SIZE, BLOCK_D, HEAD_DIM, UPCAST,
+            key_mask, key_mask[None, :], row_max, row_sum, acc, scale, softcap, BLOCK_SIZE, BLOCK_D, HEAD_DIM, UPCAST,
+            HAS_SOFTCAP,
         )  # fmt: skip
     out_mask = head_mask[:, None] & dim_mask[None, :]
     if NUM_SPLITS == 1:
@@ -119,11 +130,11 @@ def paged_decode_merge_kernel(
 @triton.jit
 def paged_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, prefill_seq_ptr,
-    out_ptr, scale,
+    out_ptr, scale, softcap, window,
     stride_qt, stride_qh, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_bt,
     stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     seq = tl.load(prefill_seq_ptr + tl.program_id(0))
     first_token = tl.load(query_start_ptr + seq)
@@ -144,18 +155,26 @@ def paged_prefill_kernel(
     if UPCAST:
         q = q.to(tl.float32)
     offsets = tl.arange(0, BLOCK_SIZE)
-    row_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    # A finite start, not -inf: with a window, a row may meet whole blocks it does not see before its
+    # first key, and exp(-inf - -inf) would be NaN; exp(-inf - -1e30) is 0.
+    row_max = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)
     row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     key_end = tl.minimum(seq_len, seq_len - q_len + (tl.program_id(1) + 1) * BLOCK_M)
-    for pos0 in range(0, key_end, BLOCK_SIZE):
+    key_start = 0
+    if window > 0:  # the tile's first token sees the oldest key of any of its tokens
+        key_start = tl.maximum(seq_len - q_len + tl.program_id(1) * BLOCK_M - window + 1, 0) // BLOCK_SIZE * BLOCK_SIZE
+    for pos0 in range(key_start, key_end, BLOCK_SIZE):
         block = tl.load(block_tables_ptr + seq * stride_bt + pos0 // BLOCK_SIZE).to(tl.int64)
         key_pos = pos0 + offsets
+        visible = key_pos[None, :] <= query_pos[:, None]
+        if window > 0:
+            visible = visible & (key_pos[None, :] > query_pos[:, None] - window)
         row_max, row_sum, acc = _attend_block(
             q, k_cache_ptr, v_cache_ptr, block, kv_head * stride_kh, kv_head * stride_vh,
             stride_kb, stride_ko, stride_vb, stride_vo,
-            key_pos < seq_len, key_pos[None, :] <= query_pos[:, None], row_max, row_sum, acc, scale,
-            BLOCK_SIZE, BLOCK_D, HEAD_DIM, UPCAST,
+            key_pos < seq_len, visible, row_max, row_sum, acc, scale, softcap,
+            BLOCK_SIZE, BLOCK_D, HEAD_DIM, UPCAST, HAS_SOFTCAP,
         )  # fmt: skip
     out = acc / row_sum[:, None]
     tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :],

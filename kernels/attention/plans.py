@@ -53,6 +53,14 @@ class DecodeBucket:
     token_rows: torch.Tensor  # [num_seqs] int64, row of each decode token in q
     block_idx: torch.Tensor  # [num_seqs * num_blocks] int64, cache blocks to gather, padding -> 0
     valid_mask: torch.Tensor  # [num_seqs, 1, 1, num_blocks * block_size] bool, key position < seq_len
+    seq_lens: torch.Tensor  # [num_seqs, 1, 1, 1] int64, for the masks of sliding windows
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """The keys each sequence's token sees: its context, or only its last `window` positions."""
+        if window is None:
+            return self.valid_mask
+        positions = torch.arange(self.valid_mask.shape[-1])
+        return self.valid_mask & (positions >= self.seq_lens - window)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +72,15 @@ class PrefillPlan:
     seq_len: int  # context length including the new tokens
     block_idx: torch.Tensor  # [ceil(seq_len / block_size)] int64
     future_mask: torch.Tensor  # [q_len, seq_len] bool, True where the key lies after the query
+
+    def hidden_mask(self, window: int | None) -> torch.Tensor:
+        """[q_len, seq_len] bool, True where the query does not see the key: the future, and with a
+        sliding `window`, keys `window` or more positions before the query."""
+        if window is None:
+            return self.future_mask
+        q_len = self.row_end - self.row_start
+        query_pos = torch.arange(self.seq_len - q_len, self.seq_len)[:, None]
+        return self.future_mask | (torch.arange(self.seq_len)[None, :] <= query_pos - window)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +170,7 @@ def _decode_bucket(step: StepSequences, seqs: list[int]) -> DecodeBucket:
         token_rows=torch.tensor([step.query_start[b] for b in seqs], dtype=torch.int64),
         block_idx=blocks.flatten(),
         valid_mask=(positions[None, :] < ctx[:, None])[:, None, None, :],
+        seq_lens=ctx.view(-1, 1, 1, 1),
     )
 
 

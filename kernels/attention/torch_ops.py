@@ -36,14 +36,22 @@ def paged_attention_torch(
     v_cache: torch.Tensor,
     plan: TorchAttentionPlan,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """q [T, num_heads, D], caches [num_blocks, block_size, num_kv_heads, D] -> out [T, num_heads, D]."""
+    """q [T, num_heads, D], caches [num_blocks, block_size, num_kv_heads, D] -> out [T, num_heads, D];
+    `window` and `softcap` as in `kernels.reference.paged_attention`."""
     out = torch.empty_like(q)
     for bucket in plan.decode_buckets:
-        _decode(q, k_cache, v_cache, bucket, scale, out)
+        _decode(q, k_cache, v_cache, bucket, scale, out, window, softcap)
     for prefill in plan.prefills:
-        attend_prefill(q, k_cache, v_cache, prefill, scale, out)
+        attend_prefill(q, k_cache, v_cache, prefill, scale, out, window, softcap)
     return out
+
+
+def _capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Gemma 2's soft cap of attention scores, c * tanh(s / c), in place."""
+    return scores if softcap is None else scores.div_(softcap).tanh_().mul_(softcap)
 
 
 def _gather(cache: torch.Tensor, block_idx: torch.Tensor, num_seqs: int) -> torch.Tensor:
@@ -59,6 +67,8 @@ def _decode(
     bucket: DecodeBucket,
     scale: float,
     out: torch.Tensor,
+    window: int | None,
+    softcap: float | None,
 ) -> None:
     num_seqs = bucket.token_rows.numel()
     num_heads, head_dim = q.shape[1:]
@@ -67,7 +77,12 @@ def _decode(
     q_rows = q.index_select(0, bucket.token_rows).view(num_seqs, num_kv_heads, -1, head_dim)
     keys = _gather(k_cache, bucket.block_idx, num_seqs)
     values = _gather(v_cache, bucket.block_idx, num_seqs)
-    attended = F.scaled_dot_product_attention(q_rows, keys, values, attn_mask=bucket.valid_mask, scale=scale)
+    mask = bucket.mask(window)
+    if softcap is None:
+        attended = F.scaled_dot_product_attention(q_rows, keys, values, attn_mask=mask, scale=scale)
+    else:  # SDPA has no soft cap: the same product, capped, by plain matmuls
+        scores = _capped(torch.matmul(q_rows, keys.transpose(-1, -2)).mul_(scale), softcap)
+        attended = torch.matmul(scores.masked_fill_(~mask, float("-inf")).softmax(-1), values)
     out.index_copy_(0, bucket.token_rows, attended.view(num_seqs, num_heads, head_dim))
 
 
@@ -78,6 +93,8 @@ def attend_prefill(
     plan: PrefillPlan,
     scale: float,
     out: torch.Tensor,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Plain grouped matmul-softmax-matmul, by chunks of queries so the scores stay small; each
     chunk only reads the keys up to its last position. Measured 3-4x faster than SDPA's causal CPU
@@ -86,6 +103,7 @@ def attend_prefill(
     keys = _gather(k_cache, plan.block_idx, 1)[0]  # [kv_heads, num_blocks * block_size, D]
     values = _gather(v_cache, plan.block_idx, 1)[0]
     q_len = plan.row_end - plan.row_start
+    hidden = plan.hidden_mask(window)
     for first in range(0, q_len, tuning.PREFILL_QUERY_CHUNK):
         last = min(first + tuning.PREFILL_QUERY_CHUNK, q_len)
         num_keys = plan.seq_len - q_len + last  # the chunk's last query sees keys [0, num_keys)
@@ -93,9 +111,9 @@ def attend_prefill(
         # [kv_heads, group * chunk, D]: the heads sharing a KV head share one matmul.
         grouped = rows.view(last - first, num_kv_heads, -1, head_dim).permute(1, 2, 0, 3)
         grouped = grouped.reshape(num_kv_heads, -1, head_dim)
-        scores = torch.matmul(grouped, keys[:, :num_keys].transpose(1, 2)).mul_(scale)
+        scores = _capped(torch.matmul(grouped, keys[:, :num_keys].transpose(1, 2)).mul_(scale), softcap)
         scores = scores.view(num_kv_heads, -1, last - first, num_keys)  # [kv_heads, group, chunk, keys]
-        scores.masked_fill_(plan.future_mask[first:last, :num_keys], float("-inf"))
+        scores.masked_fill_(hidden[first:last, :num_keys], float("-inf"))
         probs = scores.softmax(-1).view(num_kv_heads, -1, num_keys)
         attended = torch.matmul(probs, values[:, :num_keys])  # [kv_heads, group * chunk, D]
         attended = attended.view(num_kv_heads, -1, last - first, head_dim).permute(2, 0, 1, 3)

@@ -40,6 +40,8 @@ def paged_attention_triton(
     v_cache: torch.Tensor,
     plan: TritonAttentionPlan,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """Contract of `Backend.paged_attention`; `num_splits` (a power of two) overrides the
@@ -48,13 +50,14 @@ def paged_attention_triton(
     assert plan.block_size & (plan.block_size - 1) == 0, "Triton paged attention needs a power-of-two block_size"
     out = torch.empty_like(q)
     if plan.decode_seq_idx.numel():
-        _decode(q, k_cache, v_cache, plan, scale, out, num_splits)
+        _decode(q, k_cache, v_cache, plan, scale, window or 0, softcap, out, num_splits)
     if plan.prefill_seq_idx.numel():
-        _prefill(q, k_cache, v_cache, plan, scale, out)
+        _prefill(q, k_cache, v_cache, plan, scale, window or 0, softcap, out)
     return out
 
 
-def _decode(q, k_cache, v_cache, plan: TritonAttentionPlan, scale: float, out, num_splits: int | None) -> None:
+def _decode(q, k_cache, v_cache, plan: TritonAttentionPlan, scale: float, window: int, softcap: float | None, out,
+            num_splits: int | None) -> None:
     num_decode = plan.decode_seq_idx.numel()
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -68,11 +71,11 @@ def _decode(q, k_cache, v_cache, plan: TritonAttentionPlan, scale: float, out, n
     group = num_heads // num_kv_heads
     paged_decode_kernel[(num_decode, num_kv_heads, splits)](
         q, k_cache, v_cache, plan.block_tables, plan.seq_lens, plan.query_start_loc, plan.decode_seq_idx,
-        out, part_out, part_max, part_sum, scale, tokens_per_split,
+        out, part_out, part_max, part_sum, scale, softcap or 0.0, window, tokens_per_split,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], plan.block_tables.stride(0),
         out.stride(0), out.stride(1), *_strides3(part_out), part_max.stride(0), part_max.stride(1),
         GROUP=group, BLOCK_G=next_power_of_2(group), HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
-        BLOCK_SIZE=plan.block_size, NUM_SPLITS=splits, UPCAST=upcast_dot_inputs(),
+        BLOCK_SIZE=plan.block_size, NUM_SPLITS=splits, UPCAST=upcast_dot_inputs(), HAS_SOFTCAP=softcap is not None,
     )  # fmt: skip
     if splits > 1:
         paged_decode_merge_kernel[(num_decode, num_heads)](
@@ -82,16 +85,18 @@ def _decode(q, k_cache, v_cache, plan: TritonAttentionPlan, scale: float, out, n
         )  # fmt: skip
 
 
-def _prefill(q, k_cache, v_cache, plan: TritonAttentionPlan, scale: float, out) -> None:
+def _prefill(q, k_cache, v_cache, plan: TritonAttentionPlan, scale: float, window: int, softcap: float | None,
+             out) -> None:
     num_heads, head_dim = q.shape[1:]
     num_m_tiles = triton.cdiv(plan.max_prefill_query_len, tuning.PREFILL_BLOCK_M)
     paged_prefill_kernel[(plan.prefill_seq_idx.numel(), num_m_tiles, num_heads)](
         q, k_cache, v_cache, plan.block_tables, plan.seq_lens, plan.query_start_loc, plan.prefill_seq_idx,
-        out, scale,
+        out, scale, softcap or 0.0, window,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], plan.block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=num_heads // k_cache.shape[2], HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
         BLOCK_M=tuning.PREFILL_BLOCK_M, BLOCK_SIZE=plan.block_size, UPCAST=upcast_dot_inputs(),
+        HAS_SOFTCAP=softcap is not None,
     )  # fmt: skip
 
 

@@ -13,10 +13,11 @@ Every backend offers the same ops, and each op's per-step plan is built by the b
     attention_reads(k_cache, v_cache, plan) -> those reads of attention (NO_READS where the backend's
         matmuls take none)
     lora_layout(model_dtype, module_shapes) -> what a page of the adapter pool holds (kernels.lora.layouts)
-    plan_attention(StepSequences) -> plan;  paged_attention(q, k_cache, v_cache, plan, scale) -> out
+    plan_attention(StepSequences) -> plan;  paged_attention(q, k_cache, v_cache, plan, scale, window=None,
+        softcap=None) -> out: causal, or over the last `window` positions; scores soft-capped where given
     store_kv(k, v, k_cache, v_cache, slot_mapping);  rotary_store_kv(qkv, positions, cos, sin,
         k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
-    rms_norm(x, weight, eps, residual=None);  silu_and_mul(gate_up);  max_logsumexp(scores)
+    rms_norm(x, weight, eps, residual=None);  silu_and_mul(gate_up);  gelu_tanh_and_mul(gate_up);  max_logsumexp(scores)
     plan_lora(layout, token_entries, page_tables) -> plan;  add_lora(y, x, slices, plan): y[:, slice columns]
         += each token's adapter delta, its pages found through the plan (kernels.lora.plans)
 

@@ -45,13 +45,14 @@ class CompiledCPUBackend(TorchBackend):
     def plan_attention(self, step: StepSequences) -> CompiledAttentionPlan:
         return CompiledAttentionPlan.build(step, self.ops.has_vector_attention())
 
-    def paged_attention(self, q, k_cache, v_cache, plan: CompiledAttentionPlan, scale: float) -> torch.Tensor:
+    def paged_attention(self, q, k_cache, v_cache, plan: CompiledAttentionPlan, scale: float, window: int | None = None,
+                        softcap: float | None = None) -> torch.Tensor:
         out = torch.empty_like(q)
         if plan.compiled_seqs is not None:
             self.ops.paged_attention(q, k_cache, v_cache, plan.block_tables, plan.seq_lens, plan.query_start,
-                                     plan.compiled_seqs, scale, out)
+                                     plan.compiled_seqs, scale, out, window or 0, softcap or 0.0)
         for prefill in plan.prefills:
-            attend_prefill(q, k_cache, v_cache, prefill, scale, out)
+            attend_prefill(q, k_cache, v_cache, prefill, scale, out, window, softcap)
         return out
 
     def attention_reads(self, k_cache, v_cache, plan: CompiledAttentionPlan) -> Reads:

@@ -38,8 +38,9 @@ class TorchBackend:
     def plan_attention(self, step: StepSequences) -> TorchAttentionPlan:
         return TorchAttentionPlan.build(step)
 
-    def paged_attention(self, q, k_cache, v_cache, plan: TorchAttentionPlan, scale: float) -> torch.Tensor:
-        return paged_attention_torch(q, k_cache, v_cache, plan, scale)
+    def paged_attention(self, q, k_cache, v_cache, plan: TorchAttentionPlan, scale: float, window: int | None = None,
+                        softcap: float | None = None) -> torch.Tensor:
+        return paged_attention_torch(q, k_cache, v_cache, plan, scale, window, softcap)
 
     def attention_reads(self, k_cache, v_cache, plan) -> Reads:
         """What `paged_attention` will read, for the projection before it to request (`kernels.linear`):
@@ -59,6 +60,9 @@ class TorchBackend:
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return reference.silu_and_mul(gate_up)
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return reference.gelu_tanh_and_mul(gate_up)
 
     def max_logsumexp(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         scores = scores.float()

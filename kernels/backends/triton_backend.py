@@ -32,11 +32,12 @@ class TritonBackend(TorchBackend):
     def plan_attention(self, step: StepSequences) -> TritonAttentionPlan:
         return TritonAttentionPlan.build(step, self.device)
 
-    def paged_attention(self, q, k_cache, v_cache, plan: TritonAttentionPlan, scale: float) -> torch.Tensor:
+    def paged_attention(self, q, k_cache, v_cache, plan: TritonAttentionPlan, scale: float, window: int | None = None,
+                        softcap: float | None = None) -> torch.Tensor:
         # Imported on first use: triton is an optional dependency of CPU-only installs.
         from kernels.attention.triton_ops import paged_attention_triton
 
-        return paged_attention_triton(q, k_cache, v_cache, plan, scale)
+        return paged_attention_triton(q, k_cache, v_cache, plan, scale, window, softcap)
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         from kernels.attention.triton_ops import store_kv_triton

@@ -2,14 +2,16 @@
 // block table: nothing is padded, and each (sequence, KV head) is one task of the bindings' thread pool.
 // Semantics (kernels.reference.paged_attention), for each sequence b in `seqs`, head h and new
 // token i (at position seq_len - q_len + i):
-//   out[t, h] = softmax(q[t, h] . K[b, :pos + 1, h / group] * scale) @ V[b, :pos + 1, h / group]
-// Accumulation is in fp32 whatever the input dtype.
+//   out[t, h] = softmax(cap(q[t, h] . K[b, first:pos + 1, h / group] * scale)) @ V[b, first:pos + 1, h / group]
+// with first = 0, or pos + 1 - window for a sliding window (Mistral, Gemma, ...), and cap(s) = s, or
+// softcap * tanh(s / softcap) with a soft cap (Gemma 2). Accumulation is in fp32 whatever the input dtype.
 //
 // Portable form: the keys and values of a task are first converted into float buffers [context, D]
 // (one contiguous vector conversion per cached row), then each query row takes vector dot products,
 // a softmax and a weighted sum. Work is O(q_len * context * D) in vector loops, which is why long
 // prefills take the matmul path in Python (kernels.tuning.COMPILED_PREFILL_MAX_WORK). The AVX-512
-// forms have a register-blocked kernel for head sizes 64 and 128 (attention_avx512.h).
+// forms have a register-blocked kernel for head sizes 64 and 128 (attention_avx512.h), which reads only
+// a window's keys and caps the scores where asked.
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -33,15 +35,15 @@ struct Layout {
         kv_head_stride(a.head_dim) {}
 };
 
-// Keys and values of one (sequence, KV head) as floats, row-major [ctx, D].
+// Keys and values of positions [first, ctx) of one (sequence, KV head) as floats, row-major [ctx - first, D].
 template <typename T>
-void gather_context(const T* k_cache, const T* v_cache, const int32_t* table, int64_t kv_head, int64_t ctx,
-                    const AttentionArgs& a, const Layout& l, float* keys, float* values) {
-  for (int64_t pos = 0; pos < ctx; ++pos) {
+void gather_context(const T* k_cache, const T* v_cache, const int32_t* table, int64_t kv_head, int64_t first,
+                    int64_t ctx, const AttentionArgs& a, const Layout& l, float* keys, float* values) {
+  for (int64_t pos = first; pos < ctx; ++pos) {
     const int64_t offset = table[pos / a.block_size] * l.block_stride + (pos % a.block_size) * l.token_stride +
                            kv_head * l.kv_head_stride;
-    to_float(k_cache + offset, keys + pos * a.head_dim, a.head_dim);
-    to_float(v_cache + offset, values + pos * a.head_dim, a.head_dim);
+    to_float(k_cache + offset, keys + (pos - first) * a.head_dim, a.head_dim);
+    to_float(v_cache + offset, values + (pos - first) * a.head_dim, a.head_dim);
   }
 }
 
@@ -55,13 +57,15 @@ inline float dot(const float* a, const float* b, int64_t head_dim) {
 }
 
 // One query row (already scaled) over keys [0, num_keys): writes the normalised output into `acc`.
+// `softcap` > 0: each score s becomes softcap * tanh(s / softcap).
 template <int64_t D>
 void attend_one(const float* query, const float* keys, const float* values, int64_t num_keys, int64_t head_dim,
-                float* scores, float* acc) {
+                float softcap, float* scores, float* acc) {
   const int64_t n = D > 0 ? D : head_dim;
   float max_score = -3.4e38f;
   for (int64_t j = 0; j < num_keys; ++j) {
     scores[j] = dot<D>(query, keys + j * n, n);
+    if (softcap > 0.f) scores[j] = softcap * std::tanh(scores[j] / softcap);
     max_score = scores[j] > max_score ? scores[j] : max_score;
   }
   float total = 0.f;
@@ -95,7 +99,7 @@ void attend_tasks_avx512(const AttentionArgs& a, const Layout& l, int64_t begin,
   for (int64_t task = begin; task < end; ++task) {
     const int64_t seq = a.seqs[task / a.num_kv_heads], kv_head = task % a.num_kv_heads;
     const int64_t ctx = a.seq_lens[seq], first_token = a.query_start[seq], q_len = a.query_start[seq + 1] - first_token;
-    const CacheView cache{a.block_tables + seq * a.max_blocks, a.block_size, l.block_stride, l.token_stride};
+    CacheView cache{a.block_tables + seq * a.max_blocks, a.block_size, l.block_stride, l.token_stride};
     if (task + 1 < end) {  // the next task's first key block, fetched while this task runs
       const int64_t next_seq = a.seqs[(task + 1) / a.num_kv_heads], next_head = (task + 1) % a.num_kv_heads;
       prefetch_block(k_cache + next_head * l.kv_head_stride + a.block_tables[next_seq * a.max_blocks] * l.block_stride,
@@ -110,8 +114,11 @@ void attend_tasks_avx512(const AttentionArgs& a, const Layout& l, int64_t begin,
         q_rows[g] = q + token * a.q_row_stride + head * a.q_head_stride;
         out_rows[g] = out + token * a.out_row_stride + head * a.out_head_stride;
       }
-      attend_group<T, D / 16>(q_rows.data(), out_rows.data(), l.group, a.scale, k_cache + kv_head * l.kv_head_stride,
-                              v_cache + kv_head * l.kv_head_stride, cache, ctx - q_len + i + 1, scores.data());
+      const int64_t end = ctx - q_len + i + 1;  // keys [cache.first, end): all, or the window's
+      cache.first = a.window > 0 ? std::max<int64_t>(0, end - a.window) : 0;
+      attend_group<T, D / 16>(q_rows.data(), out_rows.data(), l.group, a.scale, a.softcap,
+                              k_cache + kv_head * l.kv_head_stride,
+                              v_cache + kv_head * l.kv_head_stride, cache, end - cache.first, scores.data());
     }
   }
 }
@@ -127,18 +134,24 @@ void attend_tasks_portable(const AttentionArgs& a, const Layout& l, int64_t begi
   for (int64_t task = begin; task < end; ++task) {
     const int64_t seq = a.seqs[task / a.num_kv_heads], kv_head = task % a.num_kv_heads;
     const int64_t ctx = a.seq_lens[seq], first_token = a.query_start[seq], q_len = a.query_start[seq + 1] - first_token;
-    keys.resize(ctx * a.head_dim);
-    values.resize(ctx * a.head_dim);
-    scores.resize(ctx);
-    gather_context(k_cache, v_cache, a.block_tables + seq * a.max_blocks, kv_head, ctx, a, l, keys.data(), values.data());
+    // The first key any new token sees (blocks before it may have been freed and reused).
+    const int64_t first = a.window > 0 ? std::max<int64_t>(0, ctx - q_len + 1 - a.window) : 0;
+    keys.resize((ctx - first) * a.head_dim);
+    values.resize((ctx - first) * a.head_dim);
+    scores.resize(ctx - first);
+    gather_context(k_cache, v_cache, a.block_tables + seq * a.max_blocks, kv_head, first, ctx, a, l, keys.data(),
+                   values.data());
     for (int64_t i = 0; i < q_len; ++i) {
-      const int64_t token = first_token + i, num_keys = ctx - q_len + i + 1;
+      const int64_t token = first_token + i, end = ctx - q_len + i + 1;  // keys [start, end) in the window
+      const int64_t start = a.window > 0 ? std::max<int64_t>(first, end - a.window) : 0;
       for (int64_t g = 0; g < l.group; ++g) {
         const int64_t head = kv_head * l.group + g;
         to_float(q + token * a.q_row_stride + head * a.q_head_stride, query.data(), a.head_dim);
 #pragma omp simd
         for (int64_t d = 0; d < a.head_dim; ++d) query[d] *= a.scale;
-        attend_one<D>(query.data(), keys.data(), values.data(), num_keys, a.head_dim, scores.data(), acc.data());
+        attend_one<D>(query.data(), keys.data() + (start - first) * a.head_dim,
+                      values.data() + (start - first) * a.head_dim, end - start, a.head_dim, a.softcap, scores.data(),
+                      acc.data());
         from_float(acc.data(), out + token * a.out_row_stride + head * a.out_head_stride, a.head_dim);
       }
     }

@@ -44,7 +44,8 @@ inline void store16(T* p, __m512 v) {
 template <typename T>
 constexpr bool kHasAvx512Attention = std::is_same_v<T, float> || std::is_same_v<T, bf16>;
 
-// Walks positions [0, num_keys) of one sequence's cache through its block table. The rows of the
+// Walks positions [first, first + num_keys) of one sequence's cache through its block table (first > 0:
+// a sliding window's keys), visiting each as (position - first, row). The rows of the
 // next block are prefetched while this one is used: blocks are scattered pages, which the hardware
 // prefetcher does not follow, and the step is bound by reading the cache.
 template <typename T>
@@ -57,20 +58,23 @@ inline void prefetch_block(const T* block_base, int64_t count, int64_t token_str
 
 template <typename T, typename Visit>
 inline void for_each_cached_row(const T* base, const int32_t* table, int64_t block_size, int64_t block_stride,
-                                int64_t token_stride, int64_t head_bytes, int64_t num_keys, Visit visit) {
-  for (int64_t pos = 0, block = 0; pos < num_keys; ++block) {
+                                int64_t token_stride, int64_t head_bytes, int64_t first, int64_t num_keys, Visit visit) {
+  const int64_t end = first + num_keys;
+  for (int64_t pos = first, block = first / block_size; pos < end; ++block) {
+    const int64_t offset = pos % block_size;  // non-zero only in a window's first block
     const T* row = base + table[block] * block_stride;
-    const int64_t count = std::min(block_size, num_keys - pos);
-    if (pos + count < num_keys)
-      prefetch_block(base + table[block + 1] * block_stride, std::min(block_size, num_keys - pos - count), token_stride,
+    const int64_t count = std::min(block_size - offset, end - pos);
+    if (pos + count < end)
+      prefetch_block(base + table[block + 1] * block_stride, std::min(block_size, end - pos - count), token_stride,
                      head_bytes);
-    for (int64_t o = 0; o < count; ++o, ++pos) visit(pos, row + o * token_stride);
+    for (int64_t o = offset; o < offset + count; ++o, ++pos) visit(pos - first, row + o * token_stride);
   }
 }
 
 struct CacheView {
   const int32_t* table;
   int64_t block_size, block_stride, token_stride;
+  int64_t first = 0;  // the first position read (a sliding window's oldest key)
 };
 
 // The sums of 16 vectors' lanes, r[j] = sum(v[j]), as one vector: a tree of in-lane, then 128-bit
@@ -136,16 +140,27 @@ struct QueryProducts<bf16, NV, H> {
 };
 #endif
 
-// H query heads of one token (rows q[h], outputs out[h]) over keys [0, num_keys).
+// softcap * tanh(v / softcap) lane by lane (Gemma 2's cap of attention scores), as 1 - 2 / (exp(2x) + 1)
+// with the library's vectorised exponential (clamped, so it saturates to +-1).
+inline __m512 soft_cap(__m512 v, float softcap) {
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, v);
+#pragma omp simd
+  for (int j = 0; j < 16; ++j) lanes[j] = softcap * (1.f - 2.f / (vector_exp(2.f * lanes[j] / softcap) + 1.f));
+  return _mm512_load_ps(lanes);
+}
+
+// H query heads of one token (rows q[h], outputs out[h]) over keys [cache.first, cache.first + num_keys).
 // `scores` holds H * num_keys floats.
 template <typename T, int NV, int H>
-void attend_heads(const T* const* q, T* const* out, float scale, const T* k_base, const T* v_base,
+void attend_heads(const T* const* q, T* const* out, float scale, float softcap, const T* k_base, const T* v_base,
                   const CacheView& cache, int64_t num_keys, float* scores) {
   const QueryProducts<T, NV, H> queries(q);
   const __m512 scale_v = _mm512_set1_ps(scale);
   constexpr int64_t head_bytes = 16 * NV * static_cast<int64_t>(sizeof(T));
   // The values' first block is fetched while the keys are read.
-  prefetch_block(v_base + cache.table[0] * cache.block_stride, std::min(cache.block_size, num_keys),
+  prefetch_block(v_base + cache.table[cache.first / cache.block_size] * cache.block_stride,
+                 std::min(cache.block_size, num_keys),
                  cache.token_stride, head_bytes);
   // Each key's products stay a vector until 16 keys have them, then 16 scores are summed at once,
   // and their maximum is kept as a vector too (a scalar pass over the scores afterwards is a chain of
@@ -156,12 +171,14 @@ void attend_heads(const T* const* q, T* const* out, float scale, const T* k_base
     const __mmask16 keys = static_cast<__mmask16>((1u << count) - 1);
     for (int h = 0; h < H; ++h) {
       for (int j = count; j < 16; ++j) products[h][j] = _mm512_setzero_ps();
-      const __m512 sums = _mm512_mul_ps(sum_lanes_of_16(products[h]), scale_v);
+      __m512 sums = _mm512_mul_ps(sum_lanes_of_16(products[h]), scale_v);
+      if (softcap > 0.f) sums = soft_cap(sums, softcap);
       _mm512_mask_storeu_ps(scores + h * num_keys + first, keys, sums);
       max_scores[h] = _mm512_mask_max_ps(max_scores[h], keys, max_scores[h], sums);
     }
   };
-  for_each_cached_row(k_base, cache.table, cache.block_size, cache.block_stride, cache.token_stride, head_bytes, num_keys,
+  for_each_cached_row(k_base, cache.table, cache.block_size, cache.block_stride, cache.token_stride, head_bytes,
+                      cache.first, num_keys,
                       [&](int64_t pos, const T* key_row) {
                         queries.multiply(key_row, products, static_cast<int>(pos % 16));
                         if (pos % 16 == 15) sum_keys(pos - 15, 16);
@@ -182,7 +199,8 @@ void attend_heads(const T* const* q, T* const* out, float scale, const T* k_base
   __m512 acc[H][NV];
   for (int h = 0; h < H; ++h)
     for (int v = 0; v < NV; ++v) acc[h][v] = _mm512_setzero_ps();
-  for_each_cached_row(v_base, cache.table, cache.block_size, cache.block_stride, cache.token_stride, head_bytes, num_keys,
+  for_each_cached_row(v_base, cache.table, cache.block_size, cache.block_stride, cache.token_stride, head_bytes,
+                      cache.first, num_keys,
                       [&](int64_t pos, const T* value_row) {
                         __m512 value[NV];
                         for (int v = 0; v < NV; ++v) value[v] = load16(value_row + 16 * v);
@@ -200,18 +218,21 @@ void attend_heads(const T* const* q, T* const* out, float scale, const T* k_base
 // All heads of a group for one token, in chunks that keep queries and accumulators in registers
 // (4 heads of 64 or 2 heads of 128: 16 registers each for queries and for accumulators).
 template <typename T, int NV>
-void attend_group(const T* const* q, T* const* out, int64_t group, float scale, const T* k_base, const T* v_base,
+void attend_group(const T* const* q, T* const* out, int64_t group, float scale, float softcap, const T* k_base,
+                  const T* v_base,
                   const CacheView& cache, int64_t num_keys, float* scores) {
   constexpr int kMaxHeads = 16 / NV;
   for (int64_t h = 0; h < group; h += kMaxHeads) {
     switch (std::min<int64_t>(kMaxHeads, group - h)) {
-      case 1: attend_heads<T, NV, 1>(q + h, out + h, scale, k_base, v_base, cache, num_keys, scores); break;
-      case 2: attend_heads<T, NV, 2>(q + h, out + h, scale, k_base, v_base, cache, num_keys, scores); break;
+      case 1: attend_heads<T, NV, 1>(q + h, out + h, scale, softcap, k_base, v_base, cache, num_keys, scores); break;
+      case 2: attend_heads<T, NV, 2>(q + h, out + h, scale, softcap, k_base, v_base, cache, num_keys, scores); break;
       case 3:
-        if constexpr (kMaxHeads >= 3) attend_heads<T, NV, 3>(q + h, out + h, scale, k_base, v_base, cache, num_keys, scores);
+        if constexpr (kMaxHeads >= 3)
+          attend_heads<T, NV, 3>(q + h, out + h, scale, softcap, k_base, v_base, cache, num_keys, scores);
         break;
       default:
-        if constexpr (kMaxHeads >= 4) attend_heads<T, NV, 4>(q + h, out + h, scale, k_base, v_base, cache, num_keys, scores);
+        if constexpr (kMaxHeads >= 4)
+          attend_heads<T, NV, 4>(q + h, out + h, scale, softcap, k_base, v_base, cache, num_keys, scores);
         break;
     }
   }

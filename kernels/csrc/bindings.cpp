@@ -197,7 +197,8 @@ void rotary_store_kv(torch::Tensor qkv, torch::Tensor positions, torch::Tensor c
 
 void paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                      torch::Tensor seq_lens, torch::Tensor query_start, torch::Tensor seqs, double scale,
-                     torch::Tensor out) {
+                     torch::Tensor out, int64_t window, double softcap) {
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap are >= 0 (0: none)");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4, "caches must be contiguous");
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && q.stride(2) == 1 && out.stride(2) == 1,
               "q and out: [T, H, D] with head_dim contiguous");
@@ -214,7 +215,8 @@ void paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cac
                                     block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
                                     query_start.data_ptr<int32_t>(), seqs.data_ptr<int64_t>(), q.size(1), num_kv_heads,
                                     q.size(2), k_cache.size(1), block_tables.size(1), q.stride(0), q.stride(1),
-                                    out.stride(0), out.stride(1), static_cast<float>(scale)};
+                                    out.stride(0), out.stride(1), static_cast<float>(scale),
+                                    window, static_cast<float>(softcap)};
   run_tasks(table().paged_attention, args, seqs.size(0) * num_kv_heads, 1);
 }
 
@@ -390,7 +392,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm);
   m.def("silu_and_mul", &silu_and_mul);
   m.def("rotary_store_kv", &rotary_store_kv);
-  m.def("paged_attention", &paged_attention);
+  m.def("paged_attention", &paged_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("block_tables"), py::arg("seq_lens"), py::arg("query_start"), py::arg("seqs"), py::arg("scale"),
+        py::arg("out"), py::arg("window") = 0, py::arg("softcap") = 0.0);
   m.def("max_logsumexp", &max_logsumexp);
   m.def("lora_segments", &lora_segments);
   m.def("f32_linear", &f32_linear, py::arg("out"), py::arg("x"), py::arg("packed"),

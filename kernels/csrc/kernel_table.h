@@ -69,6 +69,8 @@ struct AttentionArgs {
   int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks;
   int64_t q_row_stride, q_head_stride, out_row_stride, out_head_stride;
   float scale;
+  int64_t window;  // > 0: a token attends to the last `window` positions (its own included); 0: all
+  float softcap;  // > 0: scores become softcap * tanh(score / softcap) before the softmax; 0: none
 };
 
 // Rows [begin, end) of scores [rows, vocab]: the maximum, its first index and log(sum(exp(row))).

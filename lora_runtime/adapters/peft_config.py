@@ -11,7 +11,7 @@ import re
 from numbers import Real
 from typing import Any
 
-from lora_runtime.adapters.weights import MODULE_NAMES
+from lora_runtime.adapters.weights import TARGETABLE_MODULES
 from lora_runtime.errors import AdapterInvalidError
 
 CLASSIFICATION_TASK_TYPES = ("SEQ_CLS", "TOKEN_CLS")
@@ -72,10 +72,10 @@ def _check_target_modules(target_modules: Any) -> None:
     if not isinstance(target_modules, list):
         raise AdapterInvalidError(f"target_modules: must be a list or a string, got {target_modules!r}")
     for name in target_modules:
-        if not isinstance(name, str) or name.rsplit(".", 1)[-1] not in MODULE_NAMES:
+        if not isinstance(name, str) or name.rsplit(".", 1)[-1] not in TARGETABLE_MODULES:
             raise AdapterInvalidError(
                 f"target_modules: {name!r} is not supported; supported modules are "
-                f"{', '.join(MODULE_NAMES)} (embedding and lm_head LoRA are not)"
+                f"{', '.join(TARGETABLE_MODULES)} (embedding and lm_head LoRA are not)"
             )
 
 

@@ -24,7 +24,9 @@ from safetensors.torch import load_file
 
 from lora_runtime.adapters.peft_config import check_supported_config, module_rank_and_alpha
 from lora_runtime.adapters.weights import (
+    FUSED_MODULES,
     MODULE_NAMES,
+    TARGETABLE_MODULES,
     AdapterLimits,
     BaseModelShape,
     LoraModuleWeights,
@@ -48,7 +50,7 @@ _FACTOR_KEY = re.compile(
     r"\.lora_(?P<factor>[AB])\.weight$"
 )
 _PARENT_OF = {name: "self_attn" if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
-              for name in MODULE_NAMES}
+              for name in TARGETABLE_MODULES}
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -66,7 +68,7 @@ def load_peft_adapter(
     check_supported_config(config)
     factors = _group_factors(_read_tensors(directory))
     modules = {key: _module_weights(config, path, a, b) for key, (path, a, b) in factors.items()}
-    weights = LoraWeights(modules, config.get("base_model_name_or_path"))
+    weights = LoraWeights(_unfused(modules, base_shape), config.get("base_model_name_or_path"))
     check_fits(weights, base_shape, limits)
     _check_bounded(weights)
     return weights
@@ -126,7 +128,7 @@ def _group_factors(
     found: dict[ModuleKey, dict[str, Any]] = {}
     for key, tensor in tensors.items():
         match = _FACTOR_KEY.match(key)
-        if match is None or match["module"] not in MODULE_NAMES:
+        if match is None or match["module"] not in TARGETABLE_MODULES:
             raise AdapterInvalidError(_describe_unsupported_key(key))
         if _PARENT_OF[match["module"]] != match["parent"]:
             raise AdapterInvalidError(f"weights: unexpected tensor {key!r}")
@@ -136,7 +138,7 @@ def _group_factors(
     if not found:
         raise AdapterInvalidError("weights: the adapter holds no LoRA tensors")
     grouped = {}
-    for key in sorted(found, key=lambda k: (k[0], MODULE_NAMES.index(k[1]))):
+    for key in sorted(found, key=lambda k: (k[0], TARGETABLE_MODULES.index(k[1]))):
         entry = found[key]
         if "A" not in entry or "B" not in entry:
             raise AdapterInvalidError(f"weights: {entry['path']} lacks its lora_A or lora_B tensor")
@@ -153,7 +155,7 @@ def _describe_unsupported_key(key: str) -> str:
         return f"modules_to_save: fully trained modules are not supported (tensor {key!r})"
     return (
         f"weights: unsupported tensor {key!r}; only LoRA factors of "
-        f"{', '.join(MODULE_NAMES)} are supported"
+        f"{', '.join(TARGETABLE_MODULES)} are supported"
     )
 
 
@@ -189,6 +191,29 @@ def _module_weights(
         )
     denominator = math.sqrt(rank) if config.get("use_rslora") else rank
     return LoraModuleWeights(lora_a, lora_b, alpha / denominator)
+
+
+def _unfused(modules: dict[ModuleKey, LoraModuleWeights],
+             base_shape: BaseModelShape) -> dict[ModuleKey, LoraModuleWeights]:
+    """Each factor pair of a fused module (Phi-3's qkv_proj, gate_up_proj) as its parts' pairs, in
+    layer then module order; refuses a fused module the base model does not have, or whose B does not
+    split into its parts' widths."""
+    parts_of: dict[ModuleKey, LoraModuleWeights] = {}
+    for (layer_idx, module), factors in modules.items():
+        parts = FUSED_MODULES.get(module)
+        if parts is None:
+            parts_of[(layer_idx, module)] = factors
+            continue
+        if module not in base_shape.module_shapes:
+            raise AdapterIncompatibleError(f"target_modules: {module} is not a module of {base_shape.model_name}")
+        widths = [base_shape.module_shapes[part][1] for part in parts]
+        if factors.lora_b.shape[0] != sum(widths):
+            raise AdapterIncompatibleError(
+                f"target_modules: layer {layer_idx} {module} expects lora_B [{sum(widths)}, r], got "
+                f"{tuple(factors.lora_b.shape)}: the adapter was made for another base model")
+        for part, lora_b in zip(parts, factors.lora_b.split(widths)):
+            parts_of[(layer_idx, part)] = LoraModuleWeights(factors.lora_a, lora_b.contiguous(), factors.scale)
+    return dict(sorted(parts_of.items(), key=lambda item: (item[0][0], MODULE_NAMES.index(item[0][1]))))
 
 
 def check_fits(weights: LoraWeights, base_shape: BaseModelShape, limits: AdapterLimits) -> None:

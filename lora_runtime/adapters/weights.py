@@ -15,6 +15,11 @@ ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 # The order modules appear in a Llama decoder layer (and in PEFT's `named_modules` walk).
 MODULE_NAMES = ATTENTION_MODULES + MLP_MODULES
+# Phi-3's fused projections -> the modules they concatenate, in output order. An adapter on a fused
+# module is read as one on each part, sharing A, with B's rows split: the same delta, column for column.
+FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# Every name an adapter may target, in layer order.
+TARGETABLE_MODULES = ("qkv_proj", *ATTENTION_MODULES, "gate_up_proj", *MLP_MODULES)
 
 ModuleKey = tuple[int, str]  # (layer_idx, module name)
 

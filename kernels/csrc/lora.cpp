@@ -1,5 +1,6 @@
 // Multi-adapter LoRA on CPU over paged adapter weights, one run of tokens sharing an adapter entry (a
-// segment) at a time: for each token t of a segment of entry e and each slice i of a fused projection
+// segment, or a task: the bindings cut heavy segments into tasks of rows and of column parts) at a
+// time: for each token t of a segment of entry e and each slice i of a fused projection
 // (q/k/v, gate/up), with r = the entry's rank there (kernels.reference.add_lora):
 //   y[t, cols_i] += T((x[t] @ A_e.T) @ B_e.T)
 // Both products are matmuls of the segment's rows on the register tiles of the projections' matmuls
@@ -178,38 +179,61 @@ struct SegmentRunner {
     return total;
   }
 
-  // Requests the pages of segments [begin, end) as `run` consumes them: per segment, every slice's
-  // pages of A (the shrink), then of B (the expand).
+  // Requests the pages of tasks [begin, end) as `run` consumes them: per task, every slice's pages
+  // of A (the shrink), then the task's columns of its pages of B (the expand).
   void stream_pages(int64_t begin, int64_t end) {
-    for (int64_t segment = begin; segment < end; ++segment) {
-      const int64_t entry = args.segments[3 * segment + 2];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t* t = args.tasks + 5 * task;  // start, length, entry, part, parts
       for (int64_t i = 0; i < args.num_slices; ++i)
-        add_pages(args.slices[i], entry, args.slices[i].a_pages, args.hidden_in);
+        add_pages(args.slices[i], t[2], args.slices[i].a_pages, args.hidden_in, {0, args.hidden_in});
       for (int64_t i = 0; i < args.num_slices; ++i)
-        add_pages(args.slices[i], entry, args.slices[i].b_pages, args.slices[i].out_features);
+        add_pages(args.slices[i], t[2], args.slices[i].b_pages, args.slices[i].out_features,
+                  part_columns(args.slices[i].out_features, Part{t[3], t[4]}));
     }
     stream.start(kFetchLeadLines);
   }
 
-  // The pages of `entry` in one pool of `slice` (A's or B's, of `width` x 16 elements a page).
-  void add_pages(const LoraSlice& slice, int64_t entry, const void* pool, int64_t width) {
-    const int64_t elements = width * kBlockColumns;
-    const int64_t* pages = slice.page_table + entry * slice.max_pages;
-    for (int64_t page = 0; page < (slice.ranks[entry] + kBlockColumns - 1) / kBlockColumns; ++page)
-      stream.add(static_cast<const W*>(pool) + pages[page] * elements, elements * sizeof(W));
+  // Columns [first, end) of a slice's output.
+  struct Columns {
+    int64_t first, end;
+  };
+
+  // Part `index` of `count` of each slice's columns (LoraArgs::tasks).
+  struct Part {
+    int64_t index, count;
+  };
+
+  // The columns of `part` of a slice's `out_features` columns: an even split of its
+  // column groups of the expand's tile (kGroup blocks of 16).
+  static Columns part_columns(int64_t out_features, Part part) {
+    constexpr int64_t group_columns = kGroup<W> * kBlockColumns;
+    const int64_t groups = (out_features + group_columns - 1) / group_columns;
+    return {std::min(out_features, groups * part.index / part.count * group_columns),
+            std::min(out_features, groups * (part.index + 1) / part.count * group_columns)};
   }
 
-  // Segment `segment`.
-  void run(int64_t segment) {
-    const int64_t* seg = args.segments + 3 * segment;  // start, length, entry
-    for (int64_t first = seg[0]; first < seg[0] + seg[1]; first += kChunkRows)
-      chunk(first, std::min(kChunkRows, seg[0] + seg[1] - first), seg[2], first == seg[0]);
+  // Columns `columns` of the pages of `entry` in one pool of `slice` (A's or B's, of `width` x 16
+  // elements a page, 16 elements a column).
+  void add_pages(const LoraSlice& slice, int64_t entry, const void* pool, int64_t width, Columns columns) {
+    const int64_t elements = width * kBlockColumns;
+    const int64_t* pages = slice.page_table + entry * slice.max_pages;
+    const int64_t offset = columns.first * kBlockColumns, count = (columns.end - columns.first) * kBlockColumns;
+    if (count == 0) return;
+    for (int64_t page = 0; page < (slice.ranks[entry] + kBlockColumns - 1) / kBlockColumns; ++page)
+      stream.add(static_cast<const W*>(pool) + pages[page] * elements + offset, count * sizeof(W));
+  }
+
+  // Task `task`.
+  void run(int64_t task) {
+    const int64_t* t = args.tasks + 5 * task;  // start, length, entry, part, parts
+    for (int64_t first = t[0]; first < t[0] + t[1]; first += kChunkRows)
+      chunk(first, std::min(kChunkRows, t[0] + t[1] - first), t[2], first == t[0], Part{t[3], t[4]});
   }
 
   // The shrink of every slice first, their pages side by side as the blocks of one matmul (x is
   // shared: wider tiles for the small ranks), row tile by row tile, then each slice's expand from its
-  // own columns.
-  void chunk(int64_t first, int64_t count, int64_t entry, bool first_chunk) {
+  // own columns, those of `part` of its output.
+  void chunk(int64_t first, int64_t count, int64_t entry, bool first_chunk, Part part) {
     int64_t total_pages = 0;
     for (int64_t row = 0; row < count; row += kRows<W>) {
       const int tile_rows = static_cast<int>(std::min<int64_t>(kRows<W>, count - row));
@@ -223,7 +247,8 @@ struct SegmentRunner {
       if (rank == 0) continue;
       const int64_t num_pages = (rank + kBlockColumns - 1) / kBlockColumns;
       expand(count, s + offset, static_cast<const W*>(slice.b_pages), slice.page_table + entry * slice.max_pages, num_pages,
-             rank, slice.out_features, static_cast<T*>(args.y) + first * args.total_out + slice.column, first_chunk);
+             rank, slice.out_features, part_columns(slice.out_features, part),
+             static_cast<T*>(args.y) + first * args.total_out + slice.column, first_chunk);
       offset += num_pages * kBlockColumns;
     }
   }
@@ -250,27 +275,28 @@ struct SegmentRunner {
     return total;
   }
 
-  // y[rows, 0:out] += s @ B.T, kGroup blocks of 16 columns a tile, B's rank rows paged, a column group's
-  // tiles for every row tile in turn. Each group reads a short run of every page, too short for the
+  // y[rows, columns] += s @ B.T over `columns` of the slice's `out_features`, kGroup blocks of 16
+  // columns a tile, B's rank rows paged, a column group's tiles for every row tile in turn. Each group reads a short run of every page, too short for the
   // hardware's prefetcher to follow, so the next group's runs are fetched before this one starts
   // (AVX512-BF16, 118 one-token segments: 14 -> 25 GB/s).
   void expand(int64_t rows, const W* s, const W* b_pages, const int64_t* pages, int64_t num_pages, int64_t rank,
-              int64_t out_features, T* y, bool first_reads) {
+              int64_t out_features, Columns columns, T* y, bool first_reads) {
     const int64_t page_elements = out_features * kBlockColumns;
     const int64_t k = std::is_same_v<W, float> ? rank : (rank + 1) / 2;  // rows past the rank are zero
     constexpr int64_t block_elements = kBlockColumns * kBlockColumns;
     constexpr int64_t ldc = kGroup<W> * kBlockColumns;
-    fetch_runs(b_pages, pages, num_pages, page_elements, 0, std::min(ldc, out_features));
+    if (columns.first == columns.end) return;
+    fetch_runs(b_pages, pages, num_pages, page_elements, columns.first, std::min(columns.first + ldc, columns.end));
     ExpandRows<W> row_tiles[kChunkTiles];
     for (int64_t row = 0; row < rows; row += kRows<W>)
       row_tiles[row / kRows<W>] = expand_rows(s + row * ld_shrunk, static_cast<int>(std::min<int64_t>(kRows<W>, rows - row)),
                                               k, shrunk_widened.get() + row / kRows<W> * widened_tile_floats);
-    for (int64_t col = 0; col < out_features; col += ldc) {
-      const int group = static_cast<int>(std::min<int64_t>(kGroup<W>, (out_features - col) / kBlockColumns));
+    for (int64_t col = columns.first; col < columns.end; col += ldc) {
+      const int group = static_cast<int>(std::min<int64_t>(kGroup<W>, (columns.end - col) / kBlockColumns));
       for (int64_t page = 0; page < num_pages; ++page)
         for (int v = 0; v < group; ++v)
           blocks[page * group + v] = b_pages + pages[page] * page_elements + (col / kBlockColumns + v) * block_elements;
-      fetch_runs(b_pages, pages, num_pages, page_elements, col + ldc, std::min(col + 2 * ldc, out_features));
+      fetch_runs(b_pages, pages, num_pages, page_elements, col + ldc, std::min(col + 2 * ldc, columns.end));
       for (int64_t row = 0; row < rows; row += kRows<W>) {
         const int tile_rows = static_cast<int>(std::min<int64_t>(kRows<W>, rows - row));
         const int64_t new_lines = first_reads && row == 0 ? group * num_pages * block_elements * int64_t{sizeof(W)} / 64 : 0;

@@ -36,6 +36,7 @@ from lora_runtime.models.llama import LlamaModel
 from lora_runtime.request_state import RequestState
 from lora_runtime.sampling.sampler import SampleResult, Sampler, TokenizerInfo, TopPairs, top_tokens
 from lora_runtime.scheduler import Scheduler
+from lora_runtime.threads import use_threads
 from lora_runtime.validation import prepare_prompt
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class Engine:
         self._leases: dict[str, Lease] = {}  # request id -> its hold on its adapter
         self._request_counter = itertools.count()
         self._wakeup = threading.Event()  # set when an adapter load settles or `wake()` is called
+        self.num_threads = torch.get_num_threads()  # the compute threads (Engine.from_config sets them)
 
     @classmethod
     def from_config(cls, config: EngineConfig | None = None, adapter_sources: dict[str, AdapterSource] | None = None) -> Engine:
@@ -80,8 +82,8 @@ class Engine:
         from transformers import AutoTokenizer
 
         config = config or EngineConfig()
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        num_threads, source = use_threads(config.num_threads)
+        logger.info("compute threads: %d (%s)", num_threads, source)
         if config.model is None:
             model_dir, model_name = ensure_embedded_model(config.cache_dir), EMBEDDED_MODEL_NAME
         else:
@@ -110,7 +112,7 @@ class Engine:
     @property
     def info(self) -> EngineInfo:
         return EngineInfo(self.model_name, self.max_model_len, self.config, self.dtype_name, self.kernel_backend,
-                          self.tokenizer, self.adapters.base_shape, self.adapters.limits)
+                          self.tokenizer, self.adapters.base_shape, self.adapters.limits, self.num_threads)
 
     def add_request(
         self,

@@ -23,8 +23,9 @@ CPU_KERNEL_CONSTANTS: dict[str, int] = {
     "linear_min_rows_per_part": 32,
     # LoRA op: tasks of about 1 / lora_tasks_per_thread of a thread's share of the call's FLOPs
     # (segments cut into pieces of whole tiles of rows, then into column parts where a piece is still
-    # too heavy: a rank-64 adapter's few decode tokens), none below lora_min_task_flops (a few
-    # microseconds), column parts of at least lora_min_columns_per_part columns of the widest slice.
+    # too heavy: a rank-64 adapter's few decode tokens; a part shrinks only the slices it touches),
+    # none below lora_min_task_flops (a few microseconds), column parts of at least
+    # lora_min_columns_per_part of the slices' columns together.
     "lora_tasks_per_thread": 4,
     "lora_min_task_flops": 256 * 1024,
     "lora_min_rows_per_task": 8,

@@ -259,39 +259,68 @@ struct LoraPlan {
   std::vector<int64_t> starts;
 };
 
-// FLOPs of one token of `entry`: the shrink over every slice's pages of A, and the expand over each
-// slice's rank rows of B (ranks rounded up to the pages the kernel reads).
-struct TokenCost {
-  double shrink = 0, expand = 0;
+// FLOPs of one token of an entry in one slice: its shrink (its pages of A over hidden_in) and its
+// expand (its rank rows of B over the slice's columns), ranks rounded up to the pages the kernel reads.
+struct SliceCost {
+  double shrink = 0, expand = 0, columns = 0;
 };
 
-TokenCost token_cost(const std::vector<cpu_ops::LoraSlice>& slices, int64_t entry, int64_t hidden_in) {
-  TokenCost cost;
+std::vector<SliceCost> token_costs(const std::vector<cpu_ops::LoraSlice>& slices, int64_t entry, int64_t hidden_in) {
+  std::vector<SliceCost> costs;
   for (const cpu_ops::LoraSlice& slice : slices) {
     const double rank = static_cast<double>((slice.ranks[entry] + 15) / 16 * 16);
-    cost.shrink += 2 * rank * static_cast<double>(hidden_in);
-    cost.expand += 2 * rank * static_cast<double>(slice.out_features);
+    const double columns = static_cast<double>(slice.out_features);
+    costs.push_back({2 * rank * static_cast<double>(hidden_in), 2 * rank * columns, columns});
+  }
+  return costs;
+}
+
+// FLOPs of one token in part `part` of `parts` of the columns of every slice in slice order (as
+// lora.cpp splits them, up to its column groups): the expand of its columns and the shrink of every
+// slice it touches (a part reads x and A again for each).
+double part_cost(const std::vector<SliceCost>& costs, int64_t part, int64_t parts) {
+  double total = 0, cost = 0, start = 0;
+  for (const SliceCost& slice : costs) total += slice.columns;
+  const double first = total * static_cast<double>(part) / static_cast<double>(parts);
+  const double end = total * static_cast<double>(part + 1) / static_cast<double>(parts);
+  for (const SliceCost& slice : costs) {
+    const double overlap = std::min(end, start + slice.columns) - std::max(first, start);
+    if (overlap > 0 && slice.expand > 0) cost += slice.shrink + slice.expand * overlap / slice.columns;
+    start += slice.columns;
   }
   return cost;
 }
 
+// The column parts of `rows` tokens: the fewest whose heaviest part costs at most `target`, else
+// the count (up to max_parts) whose heaviest part costs least.
+int64_t column_parts(const std::vector<SliceCost>& costs, double rows, double target, int64_t max_parts) {
+  int64_t best = 1;
+  double best_cost = INFINITY;
+  for (int64_t parts = 1; parts <= max_parts; ++parts) {
+    double heaviest = 0;
+    for (int64_t part = 0; part < parts; ++part) heaviest = std::max(heaviest, rows * part_cost(costs, part, parts));
+    if (heaviest < best_cost) best = parts, best_cost = heaviest;
+    if (heaviest <= target) break;
+  }
+  return best;
+}
+
 // Adds the tasks of one segment (start, length, entry) to `plan`, with their costs: its rows cut into
 // pieces and, where a piece (a few decode tokens on a rank-64 adapter) still outweighs `target`, its
-// columns into parts, each part shrinking the piece's rows again: a heavy segment is not one task.
-void add_segment_tasks(const int64_t* segment, TokenCost cost, double target, int64_t max_parts, LoraPlan& plan,
-                       std::vector<double>& costs) {
+// columns into parts: a heavy segment is not one task.
+void add_segment_tasks(const int64_t* segment, const std::vector<SliceCost>& costs, double target, int64_t max_parts,
+                       LoraPlan& plan, std::vector<double>& task_costs) {
   const int64_t length = segment[1], quantum = cpu_ops::tuning::kLoraMinRowsPerTask;
   const int64_t quanta = std::max<int64_t>(1, (length + quantum - 1) / quantum);
-  const double whole = static_cast<double>(length) * (cost.shrink + cost.expand);
+  const double whole = static_cast<double>(length) * part_cost(costs, 0, 1);
   const int64_t pieces = std::clamp<int64_t>(static_cast<int64_t>(std::ceil(whole / target)), 1, quanta);
   for (int64_t piece = 0; piece < pieces; ++piece) {
     const int64_t first = std::min(length, quanta * piece / pieces * quantum);
-    const int64_t rows = std::min(length, quanta * (piece + 1) / pieces * quantum) - first;
-    const double piece_cost = static_cast<double>(rows) * (cost.shrink + cost.expand);
-    const int64_t parts = std::clamp<int64_t>(static_cast<int64_t>(std::ceil(piece_cost / target)), 1, max_parts);
+    const double rows = static_cast<double>(std::min(length, quanta * (piece + 1) / pieces * quantum) - first);
+    const int64_t parts = rows * part_cost(costs, 0, 1) > target ? column_parts(costs, rows, target, max_parts) : 1;
     for (int64_t part = 0; part < parts; ++part) {
-      plan.tasks.insert(plan.tasks.end(), {segment[0] + first, rows, segment[2], part, parts});
-      costs.push_back(static_cast<double>(rows) * (cost.shrink + cost.expand / static_cast<double>(parts)));
+      plan.tasks.insert(plan.tasks.end(), {segment[0] + first, static_cast<int64_t>(rows), segment[2], part, parts});
+      task_costs.push_back(rows * part_cost(costs, part, parts));
     }
   }
 }
@@ -301,18 +330,18 @@ void add_segment_tasks(const int64_t* segment, TokenCost cost, double target, in
 // each thread a contiguous range of about equal FLOPs. On one thread: the segments as they are.
 LoraPlan plan_lora(const int64_t* segments, int64_t n, const std::vector<cpu_ops::LoraSlice>& slices, int64_t hidden_in) {
   const int64_t num_threads = at::get_num_threads();
-  std::vector<TokenCost> cost_of(n);
+  std::vector<std::vector<SliceCost>> cost_of(n);
   double total = 0;
-  int64_t widest = 0;
-  for (const cpu_ops::LoraSlice& slice : slices) widest = std::max(widest, slice.out_features);
+  int64_t columns = 0;
+  for (const cpu_ops::LoraSlice& slice : slices) columns += slice.out_features;
   for (int64_t s = 0; s < n; ++s) {
-    cost_of[s] = token_cost(slices, segments[3 * s + 2], hidden_in);
-    total += static_cast<double>(segments[3 * s + 1]) * (cost_of[s].shrink + cost_of[s].expand);
+    cost_of[s] = token_costs(slices, segments[3 * s + 2], hidden_in);
+    total += static_cast<double>(segments[3 * s + 1]) * part_cost(cost_of[s], 0, 1);
   }
   const double target = num_threads == 1 ? INFINITY
                         : std::max(total / static_cast<double>(num_threads * cpu_ops::tuning::kLoraTasksPerThread),
                                    static_cast<double>(cpu_ops::tuning::kLoraMinTaskFlops));
-  const int64_t max_parts = std::max<int64_t>(1, widest / cpu_ops::tuning::kLoraMinColumnsPerPart);
+  const int64_t max_parts = std::max<int64_t>(1, columns / cpu_ops::tuning::kLoraMinColumnsPerPart);
   LoraPlan plan;
   std::vector<double> costs;
   for (int64_t s = 0; s < n; ++s) add_segment_tasks(segments + 3 * s, cost_of[s], target, max_parts, plan, costs);

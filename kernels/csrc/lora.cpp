@@ -145,6 +145,16 @@ struct StreamFetch {
 // tiles' page pointers.
 template <typename T, typename W>
 struct SegmentRunner {
+  // Columns [first, end) of a slice's output.
+  struct Columns {
+    int64_t first, end;
+  };
+
+  // Part `index` of `count` of the slices' columns (LoraArgs::tasks).
+  struct Part {
+    int64_t index, count;
+  };
+
   const LoraArgs& args;
   int64_t max_pages = max_pages_of(args);
   int64_t ld_shrunk = total_pages_of(args) * kBlockColumns;
@@ -159,6 +169,7 @@ struct SegmentRunner {
   int64_t widened_tile_floats = kWidens ? widened_rows_size(kRows<W>, max_pages * kPageSteps<W>) : 0;
   std::unique_ptr<float[]> shrunk_widened = scratch<float>(kChunkTiles * widened_tile_floats);
   StreamFetch stream;
+  std::vector<Columns> part_columns = std::vector<Columns>(static_cast<size_t>(args.num_slices));  // the task's
 
   // Uninitialised: every element is written before it is read (zeroing x's scratch alone took 7-10% of
   // W's decode batch, pages in cache).
@@ -179,38 +190,37 @@ struct SegmentRunner {
     return total;
   }
 
-  // Requests the pages of tasks [begin, end) as `run` consumes them: per task, every slice's pages
-  // of A (the shrink), then the task's columns of its pages of B (the expand).
+  // Requests the pages of tasks [begin, end) as `run` consumes them: per task, the pages of A of
+  // every slice it touches (the shrink), then its columns of their pages of B (the expand).
   void stream_pages(int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t* t = args.tasks + 5 * task;  // start, length, entry, part, parts
+      set_part_columns(Part{t[3], t[4]});
       for (int64_t i = 0; i < args.num_slices; ++i)
-        add_pages(args.slices[i], t[2], args.slices[i].a_pages, args.hidden_in, {0, args.hidden_in});
+        if (touches(i)) add_pages(args.slices[i], t[2], args.slices[i].a_pages, args.hidden_in, {0, args.hidden_in});
       for (int64_t i = 0; i < args.num_slices; ++i)
-        add_pages(args.slices[i], t[2], args.slices[i].b_pages, args.slices[i].out_features,
-                  part_columns(args.slices[i].out_features, Part{t[3], t[4]}));
+        add_pages(args.slices[i], t[2], args.slices[i].b_pages, args.slices[i].out_features, part_columns[i]);
     }
     stream.start(kFetchLeadLines);
   }
 
-  // Columns [first, end) of a slice's output.
-  struct Columns {
-    int64_t first, end;
-  };
-
-  // Part `index` of `count` of each slice's columns (LoraArgs::tasks).
-  struct Part {
-    int64_t index, count;
-  };
-
-  // The columns of `part` of a slice's `out_features` columns: an even split of its
-  // column groups of the expand's tile (kGroup blocks of 16).
-  static Columns part_columns(int64_t out_features, Part part) {
+  // Each slice's columns in `part`, into part_columns: the parts are an even split of the column
+  // groups of the expand's tile (kGroup blocks of 16) of every slice in slice order, so that a part
+  // touches few slices and shrinks only theirs.
+  void set_part_columns(Part part) {
     constexpr int64_t group_columns = kGroup<W> * kBlockColumns;
-    const int64_t groups = (out_features + group_columns - 1) / group_columns;
-    return {std::min(out_features, groups * part.index / part.count * group_columns),
-            std::min(out_features, groups * (part.index + 1) / part.count * group_columns)};
+    int64_t total = 0;
+    for (int64_t i = 0; i < args.num_slices; ++i) total += (args.slices[i].out_features + group_columns - 1) / group_columns;
+    const int64_t first = total * part.index / part.count, end = total * (part.index + 1) / part.count;
+    for (int64_t i = 0, start = 0; i < args.num_slices; ++i) {
+      const int64_t out_features = args.slices[i].out_features, groups = (out_features + group_columns - 1) / group_columns;
+      const int64_t lo = std::clamp<int64_t>(first - start, 0, groups), hi = std::clamp<int64_t>(end - start, 0, groups);
+      part_columns[i] = {std::min(out_features, lo * group_columns), std::min(out_features, hi * group_columns)};
+      start += groups;
+    }
   }
+
+  bool touches(int64_t slice) const { return part_columns[slice].first < part_columns[slice].end; }
 
   // Columns `columns` of the pages of `entry` in one pool of `slice` (A's or B's, of `width` x 16
   // elements a page, 16 elements a column).
@@ -226,14 +236,15 @@ struct SegmentRunner {
   // Task `task`.
   void run(int64_t task) {
     const int64_t* t = args.tasks + 5 * task;  // start, length, entry, part, parts
+    set_part_columns(Part{t[3], t[4]});
     for (int64_t first = t[0]; first < t[0] + t[1]; first += kChunkRows)
-      chunk(first, std::min(kChunkRows, t[0] + t[1] - first), t[2], first == t[0], Part{t[3], t[4]});
+      chunk(first, std::min(kChunkRows, t[0] + t[1] - first), t[2], first == t[0]);
   }
 
-  // The shrink of every slice first, their pages side by side as the blocks of one matmul (x is
-  // shared: wider tiles for the small ranks), row tile by row tile, then each slice's expand from its
-  // own columns, those of `part` of its output.
-  void chunk(int64_t first, int64_t count, int64_t entry, bool first_chunk, Part part) {
+  // The shrink of every slice the task touches first, their pages side by side as the blocks of one
+  // matmul (x is shared: wider tiles for the small ranks), row tile by row tile, then each slice's
+  // expand from its own columns, over the task's columns of its output (part_columns).
+  void chunk(int64_t first, int64_t count, int64_t entry, bool first_chunk) {
     int64_t total_pages = 0;
     for (int64_t row = 0; row < count; row += kRows<W>) {
       const int tile_rows = static_cast<int>(std::min<int64_t>(kRows<W>, count - row));
@@ -244,24 +255,25 @@ struct SegmentRunner {
     for (int64_t i = 0, offset = 0; i < args.num_slices; ++i) {
       const LoraSlice& slice = args.slices[i];
       const int64_t rank = slice.ranks[entry];
-      if (rank == 0) continue;
+      if (rank == 0 || !touches(i)) continue;
       const int64_t num_pages = (rank + kBlockColumns - 1) / kBlockColumns;
       expand(count, s + offset, static_cast<const W*>(slice.b_pages), slice.page_table + entry * slice.max_pages, num_pages,
-             rank, slice.out_features, part_columns(slice.out_features, part),
+             rank, slice.out_features, part_columns[i],
              static_cast<T*>(args.y) + first * args.total_out + slice.column, first_chunk);
       offset += num_pages * kBlockColumns;
     }
   }
 
-  // out [rows, pages * 16] (ld_shrunk) = x_rows @ A.T over the entry's pages of every slice in slice
-  // order, each page one block of 16 columns, kGroup pages a tile. Returns the number of pages.
+  // out [rows, pages * 16] (ld_shrunk) = x_rows @ A.T over the entry's pages of every slice the task
+  // touches, in slice order, each page one block of 16 columns, kGroup pages a tile. Returns the
+  // number of pages.
   int64_t shrink(int rows, const W* x, int64_t entry, float* out, bool first_reads) {
     const int64_t page_elements = args.hidden_in * kBlockColumns;
     const int64_t k = std::is_same_v<W, float> ? args.hidden_in : args.hidden_in / 2;
     int64_t total = 0;
     for (int64_t i = 0; i < args.num_slices; ++i) {
       const LoraSlice& slice = args.slices[i];
-      const int64_t num_pages = (slice.ranks[entry] + kBlockColumns - 1) / kBlockColumns;
+      const int64_t num_pages = touches(i) ? (slice.ranks[entry] + kBlockColumns - 1) / kBlockColumns : 0;
       const int64_t* pages = slice.page_table + entry * slice.max_pages;
       for (int64_t page = 0; page < num_pages; ++page)
         blocks[total++] = static_cast<const W*>(slice.a_pages) + pages[page] * page_elements;

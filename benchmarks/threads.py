@@ -1,7 +1,7 @@
 """How our engine scales with compute threads: the one benchmark that runs more than one.
 
     python -m benchmarks.threads [--threads 1,2] [--num-requests 64] [--new-tokens 64] [--adapters 8]
-                                 [--repeats 3] [--llama-cpp]
+                                 [--repeats 3] [--llama-cpp] [--random-llama-1b]
 
 The workloads of `benchmarks.peers`: 64 requests of 20-60 prompt tokens, 64 new tokens each, greedy,
 EOS ignored, on the embedded model in the engine's default dtype; "base" (no adapter) and "W" (the
@@ -15,8 +15,10 @@ step (scheduling, plan building, sampling, the requests' updates and detokenizat
 one thread, and the speed-up Amdahl's law allows with it at 16 and 64 cores; beside it, the serial
 share that the measured speed-up at N threads implies (`fitted`: it also counts the Python between a
 layer's ops and the threads' imbalance). `--llama-cpp` runs llama.cpp's server on the same workloads
-at the same thread counts (`benchmarks.peers`; built on first use, 7-17 minutes). The last line
-printed is one JSON object.
+at the same thread counts (`benchmarks.peers`; built on first use, 7-17 minutes).
+`--random-llama-1b` runs a random-weight model of Llama-3.2-1B's shape instead of the embedded one
+(`benchmarks.random_model`, written on first use; base workload only: the random adapters are made
+for the embedded model). The last line printed is one JSON object.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import torch
 from benchmarks import peers
 from benchmarks.engine import NO_PREFIX_CACHE, make_prompts, median_of_interleaved
 from benchmarks.peft_baseline import make_random_adapters
+from benchmarks.random_model import ensure_random_llama
 from benchmarks.timing import Timer
 from lora_runtime import Engine, EngineConfig, SamplingParams
 from lora_runtime.config import SchedulerConfig
@@ -52,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--adapters", type=int, default=8, help="adapters of workload W (0: base only)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per thread count and workload; median reported")
     parser.add_argument("--llama-cpp", action="store_true", help="also run llama.cpp's server (bf16 GGUF)")
+    parser.add_argument("--random-llama-1b", action="store_true",
+                        help="a random-weight model of Llama-3.2-1B's shape instead of the embedded model (slow)")
     return parser.parse_args(argv)
 
 
@@ -132,12 +137,13 @@ def _log_summary(name: str, summary: dict) -> None:
 
 
 def measure_ours(args: argparse.Namespace, counts: list[int]) -> dict:
-    model_dir = ensure_embedded_model()
-    engine = Engine.from_config(EngineConfig(dtype=args.dtype, scheduler=SchedulerConfig(max_num_seqs=args.num_requests),
+    model_dir = ensure_random_llama() if args.random_llama_1b else ensure_embedded_model()
+    engine = Engine.from_config(EngineConfig(model=str(model_dir) if args.random_llama_1b else None, dtype=args.dtype,
+                                             scheduler=SchedulerConfig(max_num_seqs=args.num_requests),
                                              kv_cache=NO_PREFIX_CACHE, num_threads=counts[-1]))
     prompts = make_prompts(engine.tokenizer, args.num_requests)
     workloads: dict[str, list[str] | None] = {"base": None}
-    if args.adapters:
+    if args.adapters and not args.random_llama_1b:
         paths = make_random_adapters(model_dir, default_cache_dir() / "bench-adapters", args.adapters, peers.TARGETS)
         workloads["W"] = [str(paths[i % args.adapters]) for i in range(args.num_requests)]
     runs = {(name, threads): (lambda name=name, threads=threads:
@@ -145,7 +151,7 @@ def measure_ours(args: argparse.Namespace, counts: list[int]) -> dict:
             for threads in counts for name in workloads}
     medians = median_of_interleaved({f"{name}@{threads}": run for (name, threads), run in runs.items()}, args.repeats,
                                     rate="tokens_per_s")  # with threads, wall time is the figure
-    report = {"dtype": engine.dtype_name, "kernel_backend": engine.kernel_backend}
+    report = {"model": engine.model_name, "dtype": engine.dtype_name, "kernel_backend": engine.kernel_backend}
     for name in workloads:
         report[name] = summarise({threads: medians[f"{name}@{threads}"] for threads in counts}, counts)
         _log_summary(f"ours ({engine.dtype_name}), {name}", report[name])

@@ -53,7 +53,8 @@ def _bindings_extension() -> Extension:
         include_dirs=[CSRC],
         define_macros=[("TORCH_EXTENSION_NAME", "_cpu_ops"), ("TORCH_API_INCLUDE_EXTENSION_H", None),
                        ("_GLIBCXX_USE_CXX11_ABI", str(int(torch._C._GLIBCXX_USE_CXX11_ABI)))],
-        extra_compile_args=["-std=c++20", "-O2", "-g0"],
+        extra_compile_args=["-std=c++20", "-O2", "-g0"] + BUILD["BINDINGS_THREADING_FLAGS"],
+        extra_link_args=BUILD["BINDINGS_THREADING_FLAGS"],
         optional=True,
     )
 

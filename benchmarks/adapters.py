@@ -183,6 +183,7 @@ def main(argv=None) -> dict:
     registry = make_registry(model_dir, max(args.counts), args.num_templates)
     config = EngineConfig(
         dtype=args.dtype, scheduler=SchedulerConfig(max_num_seqs=args.num_requests), kv_cache=NO_PREFIX_CACHE,
+        num_threads=args.threads,
         adapters=AdapterConfig(device_pool_bytes=int(args.device_pool_gib * GIB), host_cache_bytes=int(args.host_cache_gib * GIB)),
     )
     engine = Engine.from_config(config)

@@ -158,7 +158,8 @@ def main(argv=None) -> dict:
 def run(args: argparse.Namespace) -> dict:
     model_dir = args.model_dir or ensure_embedded_model()
     config = EngineConfig(model=str(args.model_dir) if args.model_dir else None, dtype=args.dtype, device=args.device,
-                          scheduler=SchedulerConfig(max_num_seqs=args.num_requests), kv_cache=NO_PREFIX_CACHE)
+                          scheduler=SchedulerConfig(max_num_seqs=args.num_requests), kv_cache=NO_PREFIX_CACHE,
+                          num_threads=args.threads)
     engine = Engine.from_config(config)
     prompts = make_prompts(engine.tokenizer, args.num_requests)
     pad_id = engine.tokenizer.eos_token_id

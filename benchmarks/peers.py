@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     model_dir = ensure_embedded_model()
     engine = Engine.from_config(EngineConfig(scheduler=SchedulerConfig(max_num_seqs=args.num_requests),
-                                             kv_cache=NO_PREFIX_CACHE))
+                                             kv_cache=NO_PREFIX_CACHE, num_threads=args.threads))
     paths = make_random_adapters(model_dir, default_cache_dir() / "bench-adapters", args.adapters, TARGETS)
     workload = Workload(make_prompts(engine.tokenizer, args.num_requests), paths,
                         [i % args.adapters for i in range(args.num_requests)], args.new_tokens)

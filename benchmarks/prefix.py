@@ -214,7 +214,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(args.threads)
-    loaded = Engine.from_config(EngineConfig(dtype=args.dtype, scheduler=SchedulerConfig(max_num_seqs=args.concurrency)))
+    loaded = Engine.from_config(EngineConfig(dtype=args.dtype, scheduler=SchedulerConfig(max_num_seqs=args.concurrency),
+                                             num_threads=args.threads))
     requests, sizes = make_workload(loaded.tokenizer, args)
     token_ids_of_runs: list[list[list[int]]] = []
     runs = {mode: lambda on=on: measure(loaded, requests, args, on, token_ids_of_runs) for mode, on in MODES.items()}

@@ -18,6 +18,13 @@ CSRC = Path(__file__).resolve().with_name("csrc")
 FORM_SOURCES = ("attention.cpp", "elementwise.cpp", "reductions.cpp", "lora.cpp", "linear.cpp",
                 "amx_linear.cpp", "peak.cpp", "table.cpp")
 BINDINGS_SOURCES = ("bindings.cpp",)
+# The bindings split each op over PyTorch's thread pool with `at::parallel_for`, which PyTorch's CPU
+# wheel inlines from its headers as an OpenMP parallel region: compiled without -fopenmp the pragma is
+# ignored and every op runs on one thread. Linked with -fopenmp the extension needs `libgomp.so.1`,
+# which the loader finds already loaded by libtorch (PyTorch's own copy, same soname): one OpenMP
+# runtime, one pool, shared by PyTorch's ops and ours. The forms' libraries stay single-threaded
+# (each call computes the task range the bindings hand it).
+BINDINGS_THREADING_FLAGS = ["-fopenmp"]
 
 _AVX2 = ["-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2"]
 _AVX512 = _AVX2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512cd",

@@ -46,6 +46,9 @@ def ops() -> ModuleType | None:
         logger.warning("compiled CPU ops are older than kernels/csrc or kernels/tuning.py: serving through "
                        "the PyTorch paths; `make install` rebuilds them")
         return None
+    if not is_parallel(module):
+        logger.warning("compiled CPU ops were built without OpenMP: each op runs on one thread whatever "
+                       "torch.set_num_threads says; `make install` rebuilds them")
     form, why = _preferred_form(module, loaded)
     module.use_form(form)
     logger.info("compiled CPU ops: form %s (runnable here: %s)%s", form, ", ".join(loaded), why)
@@ -108,6 +111,12 @@ def _is_current(module: ModuleType) -> bool:
     if not cpu_build.CSRC.is_dir():
         return True  # an installed wheel: no sources to compare with
     return module.source_digest() == cpu_build.source_digest(tuning.CPU_KERNEL_CONSTANTS)
+
+
+def is_parallel(module: ModuleType) -> bool:
+    """Whether the bindings split their ops over PyTorch's threads (built with OpenMP; a build from
+    before they were lacks the query and ran serially)."""
+    return bool(getattr(module, "is_parallel", lambda: False)())
 
 
 def runnable_forms() -> list[str]:

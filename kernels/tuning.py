@@ -11,9 +11,25 @@ from __future__ import annotations
 
 # Compile-time constants of kernels/csrc/ (snake_case here, kCamelCase in C++).
 CPU_KERNEL_CONSTANTS: dict[str, int] = {
-    # Rows per task of the thread pool for the per-row ops (norms, SiLU, rotary): enough work per
-    # task to amortise the pool's dispatch, few enough that 64 decode rows still split over threads.
-    "rows_per_task": 16,
+    # The thread pool's tasks (kernels/csrc/bindings.cpp; PyTorch's pool, `torch.set_num_threads`).
+    # Per-row ops (norms, SiLU, rotary): at least this many elements a task (16 rows of the embedded
+    # model's hidden size), enough to outweigh handing a task to a thread (an OpenMP region costs a
+    # few microseconds), few enough that a decode batch of 64 rows splits over 4-8 threads.
+    "row_task_min_elements": 8192,
+    # Matmuls: column groups alone while they give every thread this many (the threads' ranges then
+    # differ by at most a quarter); else the rows are split too, into parts of at least this many rows
+    # (each part reads all its columns' weights again, which decode batches cannot afford).
+    "linear_min_groups_per_thread": 4,
+    "linear_min_rows_per_part": 32,
+    # LoRA op: tasks of about 1 / lora_tasks_per_thread of a thread's share of the call's FLOPs
+    # (segments cut into pieces of whole tiles of rows, then into column parts where a piece is still
+    # too heavy: a rank-64 adapter's few decode tokens; a part shrinks only the slices it touches),
+    # none below lora_min_task_flops (a few microseconds), column parts of at least
+    # lora_min_columns_per_part of the slices' columns together.
+    "lora_tasks_per_thread": 4,
+    "lora_min_task_flops": 256 * 1024,
+    "lora_min_rows_per_task": 8,
+    "lora_min_columns_per_part": 64,
     # Matmul register tiles (kernels/csrc/gemm_tiles.h), of the projections and of the LoRA op's shrink
     # and expand: rows x blocks of 16 columns of float32 accumulators; the kernels instantiate 1-16
     # rows and 1-3 blocks. A block is one zmm (AVX-512) or two ymm (AVX2) per row. The tile is the

@@ -111,6 +111,9 @@ class EngineConfig:
     `dtype="auto"`: bf16 where the device multiplies it at least as fast as float32 (CUDA; CPUs with
     AVX-512), float32 elsewhere (`lora_runtime.dtypes`); tests that compare with HF logits use float32.
     `kernel_backend`: None picks by device (`kernels.backend_for`); "cpu", "torch" or "triton" force one.
+    `num_threads`: the compute threads (PyTorch's pool, which the compiled CPU ops share); None:
+    OMP_NUM_THREADS where set, else one per physical core of the process's affinity mask
+    (`lora_runtime.threads`).
     """
 
     model: str | None = None
@@ -123,3 +126,6 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     adapters: AdapterConfig = field(default_factory=AdapterConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+
+    def __post_init__(self) -> None:
+        assert self.num_threads is None or self.num_threads >= 1

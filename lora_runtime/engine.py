@@ -36,6 +36,8 @@ from lora_runtime.models.llama import LlamaModel
 from lora_runtime.request_state import RequestState
 from lora_runtime.sampling.sampler import SampleResult, Sampler, TokenizerInfo, TopPairs, top_tokens
 from lora_runtime.scheduler import Scheduler
+from lora_runtime.step_timing import StepTimes
+from lora_runtime.threads import use_threads
 from lora_runtime.validation import prepare_prompt
 
 logger = logging.getLogger(__name__)
@@ -73,6 +75,8 @@ class Engine:
         self._leases: dict[str, Lease] = {}  # request id -> its hold on its adapter
         self._request_counter = itertools.count()
         self._wakeup = threading.Event()  # set when an adapter load settles or `wake()` is called
+        self.num_threads = torch.get_num_threads()  # the compute threads (Engine.from_config sets them)
+        self.step_times = StepTimes()
 
     @classmethod
     def from_config(cls, config: EngineConfig | None = None, adapter_sources: dict[str, AdapterSource] | None = None) -> Engine:
@@ -80,8 +84,8 @@ class Engine:
         from transformers import AutoTokenizer
 
         config = config or EngineConfig()
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        num_threads, source = use_threads(config.num_threads)
+        logger.info("compute threads: %d (%s)", num_threads, source)
         if config.model is None:
             model_dir, model_name = ensure_embedded_model(config.cache_dir), EMBEDDED_MODEL_NAME
         else:
@@ -110,7 +114,7 @@ class Engine:
     @property
     def info(self) -> EngineInfo:
         return EngineInfo(self.model_name, self.max_model_len, self.config, self.dtype_name, self.kernel_backend,
-                          self.tokenizer, self.adapters.base_shape, self.adapters.limits)
+                          self.tokenizer, self.adapters.base_shape, self.adapters.limits, self.num_threads)
 
     def add_request(
         self,
@@ -203,17 +207,22 @@ class Engine:
 
         When requests wait and none can run (their adapters are still loading), the step first waits
         up to `IDLE_WAIT_S` for a load to settle or for `wake()`: a caller calling again at once would
-        spin holding the GIL, which the loader threads need for every tensor op they run."""
+        spin holding the GIL, which the loader threads need for every tensor op they run. Its phases'
+        wall time adds up in `step_times`."""
         self._wakeup.clear()  # before looking: a load settling from here on ends the wait below
-        failed = self._fail_requests_with_failed_adapters()
-        output = self.scheduler.schedule()
+        times = self.step_times
+        with times.phase("schedule"):
+            failed = self._fail_requests_with_failed_adapters()
+            output = self.scheduler.schedule()
         if output.is_empty:
             if not failed and self.has_unfinished_requests():
                 self._wakeup.wait(IDLE_WAIT_S)
             return failed
-        runner_output = self.runner.execute(output)
-        self.scheduler.update_after_step(output)
-        self._record_prompt_logprobs(runner_output)
+        times.steps += 1
+        runner_output = self.runner.execute(output, times)
+        with times.phase("update"):
+            self.scheduler.update_after_step(output)
+            self._record_prompt_logprobs(runner_output)
         return failed + self._sample_and_update(runner_output)
 
     def _fail_requests_with_failed_adapters(self) -> list[RequestOutput]:
@@ -245,8 +254,16 @@ class Engine:
         logits = runner_output.logits
         if rows.sample_rows != tuple(range(logits.shape[0])):  # prompt rows are mixed in
             logits = logits[list(rows.sample_rows)]
+        with self.step_times.phase("sample"):
+            samples = self._sample_each(logits, states)
+        with self.step_times.phase("update"):
+            return self._update_each(states, samples, logits)
+
+    def _update_each(self, states: list[RequestState], samples: list[tuple[int, float, TopPairs] | Exception],
+                     logits: torch.Tensor) -> list[RequestOutput]:
+        """Each request's sampled token appended (its text, stop criteria, best_of forks)."""
         outputs = []
-        for row, (state, sample) in enumerate(zip(states, self._sample_each(logits, states))):
+        for row, (state, sample) in enumerate(zip(states, samples)):
             try:
                 if isinstance(sample, Exception):  # its sampling failed (see _sample_each)
                     outputs.append(self._fail_request(state, sample))

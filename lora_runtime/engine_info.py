@@ -20,3 +20,4 @@ class EngineInfo:
     tokenizer: Any  # a transformers tokenizer
     adapter_shape: BaseModelShape
     adapter_limits: AdapterLimits
+    num_threads: int  # the engine's compute threads

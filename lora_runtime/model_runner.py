@@ -14,6 +14,7 @@ from lora_runtime.forward_batch import ForwardBatch, LoraBatch
 from lora_runtime.kv_cache import KVCacheManager
 from lora_runtime.models.llama import KVCacheTensors, LlamaModel
 from lora_runtime.scheduler import SchedulerOutput
+from lora_runtime.step_timing import StepTimes
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,9 +44,14 @@ class ModelRunner:
         self.cache_tensors = KVCacheTensors.allocate(model.shape, num_blocks, self.block_size, model.dtype, device)
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        batch, rows = self.prepare(output)
-        return ModelRunnerOutput(logits=self.model.forward(batch, self.cache_tensors), rows=rows)
+    def execute(self, output: SchedulerOutput, times: StepTimes | None = None) -> ModelRunnerOutput:
+        """The step's logits; the time of building its inputs and of the forward pass added to `times`."""
+        times = times if times is not None else StepTimes()
+        with times.phase("prepare"):
+            batch, rows = self.prepare(output)
+        with times.phase("forward"):
+            logits = self.model.forward(batch, self.cache_tensors)
+        return ModelRunnerOutput(logits=logits, rows=rows)
 
     def prepare(self, output: SchedulerOutput) -> tuple[ForwardBatch, LogitsRows]:
         step = _StepInputs(self.block_size)

@@ -44,6 +44,9 @@ def add_service_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model directory (default: the embedded model)")
     parser.add_argument("--dtype", default=None, help="model dtype, e.g. float32 or bfloat16")
     parser.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda")
+    parser.add_argument("--threads", type=_positive_int, default=None,
+                        help="the engine's compute threads (default: OMP_NUM_THREADS where set, else one per "
+                             "physical core this process may run on)")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="compute every prompt in full instead of reusing the K/V of a cached prefix")
     parser.add_argument("--share-base-prefix-cache", action="store_true",
@@ -100,6 +103,13 @@ def add_service_options(parser: argparse.ArgumentParser) -> None:
                           help="adapters registered for tenant demo on a first start")
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
+
+
 def server_config(args: argparse.Namespace) -> ServerConfig:
     deployments = args.deployments
     if deployments is None and (args.data_dir / "deployments.toml").exists():
@@ -125,7 +135,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     from lora_runtime.config import AdapterConfig, EngineConfig, KVCacheConfig
 
-    options = (("model", args.model), ("dtype", args.dtype), ("device", args.device))
+    options = (("model", args.model), ("dtype", args.dtype), ("device", args.device), ("num_threads", args.threads))
     engine_options = {key: value for key, value in options if value is not None}
     # Requests never name server paths: `local` is the configured adapter directory or nothing.
     memory = (("device_pool_bytes", args.adapter_pool_mib), ("host_cache_bytes", args.adapter_host_cache_mib))

@@ -16,7 +16,10 @@ import torch  # noqa: E402
 if ON_GPU and not torch.cuda.is_available():
     raise pytest.UsageError(f"{DEVICE_VARIABLE}=cuda, but torch sees no CUDA device")
 
-# Under contention two threads made small ops ~300x slower (docs/semantics.md, "Tests on CPU").
+# Under contention two threads made small ops ~300x slower (docs/semantics.md, "Tests on CPU"): one
+# thread here, and in the engines the tests build and the servers they start (whose default is
+# OMP_NUM_THREADS where set: lora_runtime/threads.py); tests of threads set their own.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 

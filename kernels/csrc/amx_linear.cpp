@@ -66,31 +66,26 @@ void multiply_block(const uint16_t* a, int64_t lda_bytes, int64_t a_row_tile_off
   _tile_stored(3, c + 16 * kBlock + 16, kBlock * 4);
 }
 
-}  // namespace
-
-int64_t amx_linear_groups(const LinearArgs& args) { return args.n / kBlock; }
-
-// Column blocks [begin, end) of 32 output columns. x must hold whole blocks of 32 rows (the
-// bindings pad it with zero rows); only `rows` rows of out are written. The process must have been
-// granted the tile state (the bindings ask Linux for it when they detect AMX).
-void amx_linear(const LinearArgs& args, int64_t begin, int64_t end) {
-  const int64_t rows = args.rows, k = args.k, n = args.n;
-  const int64_t row_blocks = (rows + kBlock - 1) / kBlock, k_steps = k / kKStep;
-  const uint16_t* x = static_cast<const uint16_t*>(args.x);
+// Column blocks [first_block, end_block) over the rows of one part (amx_linear).
+void column_blocks(const LinearArgs& args, RowPart part, int64_t first_block, int64_t end_block) {
+  const int64_t k = args.k, n = args.n, k_steps = k / kKStep;
+  const int64_t row_blocks = (part.rows + kBlock - 1) / kBlock;
+  const uint16_t* x = static_cast<const uint16_t*>(args.x) + part.first_row * k;
   const uint16_t* packed = static_cast<const uint16_t*>(args.packed);
   uint16_t* out = static_cast<uint16_t*>(args.out);
-  configure_full_tiles();  // tile state is per thread: configure it in each range
   alignas(64) float block[kBlock * kBlock];
-  const int64_t groups = n / kBlock, side_total = args.fetch_lines;
-  RunCursor side = RunCursor::at(args.fetch_runs, side_total * begin / groups);
-  for (int64_t nb = begin; nb < end; ++nb) {
+  const int64_t groups = n / kBlock;
+  // The next op's runs: requested by the call's last row part, shared by column block.
+  const int64_t side_total = part.first_row + part.rows == args.rows ? args.fetch_lines : 0;
+  RunCursor side = RunCursor::at(args.fetch_runs, side_total * first_block / groups);
+  for (int64_t nb = first_block; nb < end_block; ++nb) {
     const int64_t side_first = side_total * nb / groups, side_lines = side_total * (nb + 1) / groups - side_first;
     const uint16_t* b_block = packed + nb * k_steps * kPackedStep;
     // The next column block's weights are fetched while this one computes, spread over all its
     // row blocks, so that memory is busy the whole time (prefetching only a few k-steps ahead
     // left it idle through the later row blocks: 53-56 ms against 45-48 ms for the 30 layers).
     const char* upcoming = reinterpret_cast<const char*>(b_block + k_steps * kPackedStep);
-    const int64_t upcoming_lines = nb + 1 < end ? k_steps * kPackedStep * 2 / 64 : 0;
+    const int64_t upcoming_lines = nb + 1 < end_block ? k_steps * kPackedStep * 2 / 64 : 0;
     for (int64_t rb = 0; rb < row_blocks; ++rb) {
       const int64_t side_begin = rb * side_lines / row_blocks, side_end = (rb + 1) * side_lines / row_blocks;
       const int64_t first_line = rb * upcoming_lines / row_blocks, end_line = (rb + 1) * upcoming_lines / row_blocks;
@@ -98,14 +93,30 @@ void amx_linear(const LinearArgs& args, int64_t begin, int64_t end) {
                      Prefetcher{upcoming + 64 * first_line, end_line - first_line, k_steps, 0, side, side_end - side_begin},
                      block);
       side.advance(side_end - side_begin);
-      const int64_t valid_rows = std::min(kBlock, rows - rb * kBlock);
+      const int64_t valid_rows = std::min(kBlock, part.rows - rb * kBlock);
       for (int64_t r = 0; r < valid_rows; ++r) {
-        uint16_t* out_row = out + (rb * kBlock + r) * n + nb * kBlock;
+        uint16_t* out_row = out + (part.first_row + rb * kBlock + r) * n + nb * kBlock;
 #pragma omp simd
         for (int64_t col = 0; col < kBlock; ++col) out_row[col] = float_to_bf16_bits(block[r * kBlock + col]);
       }
     }
   }
+}
+
+}  // namespace
+
+int64_t amx_linear_groups(const LinearArgs& args) { return args.n / kBlock; }
+
+// Tasks [begin, end) (LinearArgs): column blocks of 32 output columns over row parts in blocks of 32
+// rows. x must hold whole blocks of 32 rows (the bindings pad it with zero rows); only `rows` rows of
+// out are written. The process must have been granted the tile state (the bindings ask Linux for it
+// when they detect AMX).
+void amx_linear(const LinearArgs& args, int64_t begin, int64_t end) {
+  configure_full_tiles();  // tile state is per thread: configure it in each range
+  for_each_part(args.n / kBlock, begin, end, [&](int64_t part, int64_t first_block, int64_t end_block) {
+    const RowPart rows = row_part(args.rows, kBlock, part, args.row_parts);
+    if (rows.rows > 0) column_blocks(args, rows, first_block, end_block);
+  });
   _tile_release();
 }
 

@@ -7,6 +7,8 @@
 #include <dlfcn.h>
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <cmath>
 #include <map>
 #include <string>
 #include <vector>
@@ -105,6 +107,16 @@ void use_form(const std::string& form) {
 
 std::string active_form() { return active ? active->form : ""; }
 
+// Whether these bindings were compiled with OpenMP, so that `at::parallel_for` (an OpenMP region
+// inlined from PyTorch's headers) runs its tasks on PyTorch's threads rather than serially.
+bool is_parallel() {
+#if defined(_OPENMP)
+  return true;
+#else
+  return false;
+#endif
+}
+
 std::string source_digest() { return std::string(table().source_digest); }
 
 bool has_vector_attention() { return table().vector_attention; }
@@ -136,10 +148,18 @@ void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.is_contiguous(), name, " must be a contiguous CPU [rows, width] tensor");
 }
 
+// Tasks [0, num_tasks) over PyTorch's thread pool, at least `grain` tasks a thread: at::parallel_for
+// gives each thread one contiguous range of them.
 template <typename Args, typename Kernel>
 void run_tasks(Kernel kernel, const Args& args, int64_t num_tasks, int64_t grain) {
   TORCH_CHECK(kernel != nullptr, "this form has no such kernel");
   at::parallel_for(0, num_tasks, grain, [&](int64_t begin, int64_t end) { kernel(args, begin, end); });
+}
+
+// Rows a task of a per-row op whose rows hold `width` elements: enough elements that a task's work
+// outweighs handing it to a thread, so that a small batch stays on fewer threads.
+int64_t row_grain(int64_t width) {
+  return std::max<int64_t>(1, cpu_ops::tuning::kRowTaskMinElements / std::max<int64_t>(1, width));
 }
 
 void norm(torch::Tensor out, torch::Tensor x, const torch::Tensor* residual, torch::Tensor weight, double eps) {
@@ -154,7 +174,7 @@ void norm(torch::Tensor out, torch::Tensor x, const torch::Tensor* residual, tor
   }
   const cpu_ops::NormArgs args{dtype_of(x), x.data_ptr(), residual ? residual->data_ptr() : nullptr, weight.data_ptr(),
                                out.data_ptr(), x.size(1), static_cast<float>(eps)};
-  run_tasks(table().rms_norm, args, x.size(0), cpu_ops::tuning::kRowsPerTask);
+  run_tasks(table().rms_norm, args, x.size(0), row_grain(x.size(1)));
 }
 
 void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps) { norm(out, x, nullptr, weight, eps); }
@@ -169,7 +189,7 @@ void silu_and_mul(torch::Tensor out, torch::Tensor gate_up) {
   TORCH_CHECK(gate_up.size(0) == out.size(0) && gate_up.size(1) == 2 * out.size(1), "gate_up must be [rows, 2 * width]");
   TORCH_CHECK(out.scalar_type() == gate_up.scalar_type(), "one dtype expected");
   const cpu_ops::SiluArgs args{dtype_of(out), gate_up.data_ptr(), out.data_ptr(), out.size(1)};
-  run_tasks(table().silu_and_mul, args, out.size(0), cpu_ops::tuning::kRowsPerTask);
+  run_tasks(table().silu_and_mul, args, out.size(0), row_grain(gate_up.size(1)));
 }
 
 void rotary_store_kv(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
@@ -192,7 +212,7 @@ void rotary_store_kv(torch::Tensor qkv, torch::Tensor positions, torch::Tensor c
   const cpu_ops::RotaryArgs args{dtype_of(qkv), qkv.data_ptr(), qkv.stride(0), positions.data_ptr<int64_t>(),
                                  cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                  slot_mapping.data_ptr<int64_t>(), num_heads, num_kv_heads, head_dim, k_cache.size(1)};
-  run_tasks(table().rotary_store_kv, args, qkv.size(0), cpu_ops::tuning::kRowsPerTask);
+  run_tasks(table().rotary_store_kv, args, qkv.size(0), row_grain(qkv.size(1)));
 }
 
 void paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
@@ -232,6 +252,114 @@ void max_logsumexp(torch::Tensor scores, torch::Tensor values, torch::Tensor ind
   const cpu_ops::MaxLogSumExpArgs args{dtype_of(scores), scores.data_ptr(), scores.size(1), values.data_ptr<float>(),
                                        indices.data_ptr<int64_t>(), log_normaliser.data_ptr<float>()};
   run_tasks(table().max_logsumexp, args, rows, 1);
+}
+
+// The LoRA op's tasks (LoraArgs::tasks, [n][5]) and each thread's share: thread t runs tasks
+// [starts[t], starts[t + 1]).
+struct LoraPlan {
+  std::vector<int64_t> tasks;
+  std::vector<int64_t> starts;
+};
+
+// FLOPs of one token of an entry in one slice: its shrink (its pages of A over hidden_in) and its
+// expand (its rank rows of B over the slice's columns), ranks rounded up to the pages the kernel reads.
+struct SliceCost {
+  double shrink = 0, expand = 0, columns = 0;
+};
+
+std::vector<SliceCost> token_costs(const std::vector<cpu_ops::LoraSlice>& slices, int64_t entry, int64_t hidden_in) {
+  std::vector<SliceCost> costs;
+  for (const cpu_ops::LoraSlice& slice : slices) {
+    const double rank = static_cast<double>((slice.ranks[entry] + 15) / 16 * 16);
+    const double columns = static_cast<double>(slice.out_features);
+    costs.push_back({2 * rank * static_cast<double>(hidden_in), 2 * rank * columns, columns});
+  }
+  return costs;
+}
+
+// FLOPs of one token in part `part` of `parts` of the columns of every slice in slice order (as
+// lora.cpp splits them, up to its column groups): the expand of its columns and the shrink of every
+// slice it touches (a part reads x and A again for each).
+double part_cost(const std::vector<SliceCost>& costs, int64_t part, int64_t parts) {
+  double total = 0, cost = 0, start = 0;
+  for (const SliceCost& slice : costs) total += slice.columns;
+  const double first = total * static_cast<double>(part) / static_cast<double>(parts);
+  const double end = total * static_cast<double>(part + 1) / static_cast<double>(parts);
+  for (const SliceCost& slice : costs) {
+    const double overlap = std::min(end, start + slice.columns) - std::max(first, start);
+    if (overlap > 0 && slice.expand > 0) cost += slice.shrink + slice.expand * overlap / slice.columns;
+    start += slice.columns;
+  }
+  return cost;
+}
+
+// The column parts of `rows` tokens: the fewest whose heaviest part costs at most `target`, else
+// the count (up to max_parts) whose heaviest part costs least.
+int64_t column_parts(const std::vector<SliceCost>& costs, double rows, double target, int64_t max_parts) {
+  int64_t best = 1;
+  double best_cost = INFINITY;
+  for (int64_t parts = 1; parts <= max_parts; ++parts) {
+    double heaviest = 0;
+    for (int64_t part = 0; part < parts; ++part) heaviest = std::max(heaviest, rows * part_cost(costs, part, parts));
+    if (heaviest < best_cost) best = parts, best_cost = heaviest;
+    if (heaviest <= target) break;
+  }
+  return best;
+}
+
+// Adds the tasks of one segment (start, length, entry) to `plan`, with their costs: its rows cut into
+// pieces and, where a piece (a few decode tokens on a rank-64 adapter) still outweighs `target`, its
+// columns into parts: a heavy segment is not one task.
+void add_segment_tasks(const int64_t* segment, const std::vector<SliceCost>& costs, double target, int64_t max_parts,
+                       LoraPlan& plan, std::vector<double>& task_costs) {
+  const int64_t length = segment[1], quantum = cpu_ops::tuning::kLoraMinRowsPerTask;
+  const int64_t quanta = std::max<int64_t>(1, (length + quantum - 1) / quantum);
+  const double whole = static_cast<double>(length) * part_cost(costs, 0, 1);
+  const int64_t pieces = std::clamp<int64_t>(static_cast<int64_t>(std::ceil(whole / target)), 1, quanta);
+  for (int64_t piece = 0; piece < pieces; ++piece) {
+    const int64_t first = std::min(length, quanta * piece / pieces * quantum);
+    const double rows = static_cast<double>(std::min(length, quanta * (piece + 1) / pieces * quantum) - first);
+    const int64_t parts = rows * part_cost(costs, 0, 1) > target ? column_parts(costs, rows, target, max_parts) : 1;
+    for (int64_t part = 0; part < parts; ++part) {
+      plan.tasks.insert(plan.tasks.end(), {segment[0] + first, static_cast<int64_t>(rows), segment[2], part, parts});
+      task_costs.push_back(rows * part_cost(costs, part, parts));
+    }
+  }
+}
+
+// The tasks of `n` segments [n][3] and their split over PyTorch's threads: tasks of about
+// 1 / kLoraTasksPerThread of a thread's share (never below kLoraMinTaskFlops), handed out in order,
+// each thread a contiguous range of about equal FLOPs. On one thread: the segments as they are.
+LoraPlan plan_lora(const int64_t* segments, int64_t n, const std::vector<cpu_ops::LoraSlice>& slices, int64_t hidden_in) {
+  const int64_t num_threads = at::get_num_threads();
+  std::vector<std::vector<SliceCost>> cost_of(n);
+  double total = 0;
+  int64_t columns = 0;
+  for (const cpu_ops::LoraSlice& slice : slices) columns += slice.out_features;
+  for (int64_t s = 0; s < n; ++s) {
+    cost_of[s] = token_costs(slices, segments[3 * s + 2], hidden_in);
+    total += static_cast<double>(segments[3 * s + 1]) * part_cost(cost_of[s], 0, 1);
+  }
+  const double target = num_threads == 1 ? INFINITY
+                        : std::max(total / static_cast<double>(num_threads * cpu_ops::tuning::kLoraTasksPerThread),
+                                   static_cast<double>(cpu_ops::tuning::kLoraMinTaskFlops));
+  const int64_t max_parts = std::max<int64_t>(1, columns / cpu_ops::tuning::kLoraMinColumnsPerPart);
+  LoraPlan plan;
+  std::vector<double> costs;
+  for (int64_t s = 0; s < n; ++s) add_segment_tasks(segments + 3 * s, cost_of[s], target, max_parts, plan, costs);
+  double planned = 0;
+  for (double cost : costs) planned += cost;
+  plan.starts.assign(num_threads + 1, static_cast<int64_t>(costs.size()));
+  plan.starts[0] = 0;
+  double before = 0;  // task i goes to the thread whose share holds the middle of its cost
+  int64_t thread = 0;
+  for (size_t i = 0; i < costs.size(); ++i) {
+    const double middle = before + costs[i] / 2;
+    const int64_t owner = planned > 0 ? std::min<int64_t>(num_threads - 1, static_cast<int64_t>(middle / planned * num_threads)) : 0;
+    while (thread < owner) plan.starts[++thread] = static_cast<int64_t>(i);
+    before += costs[i];
+  }
+  return plan;
 }
 
 // Per slice of the fused projection: its layer's tiled pages a [P, hidden_in * 16] and
@@ -287,9 +415,15 @@ void lora_segments(torch::Tensor y, torch::Tensor x, torch::Tensor segments, std
   for (int64_t s = 0; s < segments.size(0); ++s, segment += 3)
     TORCH_CHECK(segment[0] >= 0 && segment[1] >= 0 && segment[0] + segment[1] <= x.size(0) && segment[2] >= 0 &&
                     segment[2] < num_entries, "segment ", s, " lies outside the tokens or the entries");
-  const cpu_ops::LoraArgs args{dtype_of(x), weight_dtype, x.data_ptr(), y.data_ptr(), segments.data_ptr<int64_t>(),
+  TORCH_CHECK(table().lora_segments != nullptr, "this form has no such kernel");
+  const LoraPlan plan = plan_lora(segments.data_ptr<int64_t>(), segments.size(0), slices, hidden_in);
+  const cpu_ops::LoraArgs args{dtype_of(x), weight_dtype, x.data_ptr(), y.data_ptr(), plan.tasks.data(),
                                slices.data(), static_cast<int64_t>(num_slices), hidden_in, y.size(1)};
-  run_tasks(table().lora_segments, args, segments.size(0), 1);
+  const int64_t num_threads = static_cast<int64_t>(plan.starts.size()) - 1;
+  at::parallel_for(0, num_threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      if (plan.starts[t] < plan.starts[t + 1]) table().lora_segments(args, plan.starts[t], plan.starts[t + 1]);
+  });
 }
 
 void check_linear(const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& packed, at::ScalarType dtype) {
@@ -322,6 +456,16 @@ std::vector<cpu_ops::FetchRun> page_runs(const std::vector<torch::Tensor>& pools
   return runs;
 }
 
+// Row parts of a matmul of `groups` column groups over `rows` rows (LinearArgs): one while the groups
+// give every thread kLinearMinGroupsPerThread of them (a part re-reads all its columns' weights),
+// else enough parts that they do, each of at least kLinearMinRowsPerPart rows.
+int64_t linear_row_parts(int64_t groups, int64_t rows) {
+  const int64_t wanted = at::get_num_threads() * cpu_ops::tuning::kLinearMinGroupsPerThread;
+  if (at::get_num_threads() == 1 || groups >= wanted) return 1;
+  const int64_t most = std::max<int64_t>(1, rows / cpu_ops::tuning::kLinearMinRowsPerPart);
+  return std::min<int64_t>((wanted + groups - 1) / groups, most);
+}
+
 template <typename Kernel, typename Groups>
 void run_linear(Kernel kernel, Groups groups, const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& packed,
                 int64_t rows, const std::vector<torch::Tensor>& fetch_pools, const std::vector<torch::Tensor>& fetch_pages) {
@@ -329,9 +473,11 @@ void run_linear(Kernel kernel, Groups groups, const torch::Tensor& out, const to
   int64_t lines = 0;
   for (const cpu_ops::FetchRun& run : runs) lines += run.lines;
   if (2 * rows * x.size(1) * out.size(1) < cpu_ops::tuning::kFetchMinFlopsPerByte * 64 * lines) runs.clear(), lines = 0;
-  const cpu_ops::LinearArgs args{x.data_ptr(), packed.data_ptr(), out.data_ptr(), rows, x.size(1), out.size(1),
-                                 runs.empty() ? nullptr : runs.data(), lines};
-  run_tasks(kernel, args, groups(args), 1);
+  cpu_ops::LinearArgs args{x.data_ptr(), packed.data_ptr(), out.data_ptr(), rows, x.size(1), out.size(1),
+                           runs.empty() ? nullptr : runs.data(), lines, 1};
+  const int64_t num_groups = groups(args);
+  args.row_parts = linear_row_parts(num_groups, rows);
+  run_tasks(kernel, args, num_groups * args.row_parts, 1);
 }
 
 void f32_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, std::vector<torch::Tensor> fetch_pools,
@@ -355,6 +501,10 @@ void amx_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, std::v
   check_linear(out, x, packed, at::kBFloat16);
   TORCH_CHECK(x.size(1) % 32 == 0 && out.size(1) % 32 == 0, "K and N must be multiples of 32");
   TORCH_CHECK(table().amx_linear != nullptr, "the active form has no AMX matmul");
+  if (x.size(1) == 0) {  // sums of nothing: the tiles would load from an empty x
+    out.zero_();
+    return;
+  }
   const int64_t rows = x.size(0), padded_rows = (rows + 31) / 32 * 32;
   torch::Tensor padded = x;  // the tiles read 32 rows at a time: pad x with zero rows to a whole block
   if (padded_rows != rows) {
@@ -384,6 +534,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("load_form", &load_form);
   m.def("use_form", &use_form);
   m.def("active_form", &active_form);
+  m.def("is_parallel", &is_parallel);
   m.def("source_digest", &source_digest);
   m.def("constants", &constants);
   m.def("has_vector_attention", &has_vector_attention);

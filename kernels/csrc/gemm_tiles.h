@@ -77,6 +77,27 @@ struct BlockPages {
   int64_t page_steps;
 };
 
+// The rows of part `part` of `parts` of a matmul's rows: an even split of its tiles of `tile_rows`
+// rows (LinearArgs::row_parts), so that every part but the last holds whole tiles.
+struct RowPart {
+  int64_t first_row, rows;
+};
+
+inline RowPart row_part(int64_t rows, int64_t tile_rows, int64_t part, int64_t parts) {
+  const int64_t tiles = (rows + tile_rows - 1) / tile_rows;
+  const int64_t first = tiles * part / parts * tile_rows;
+  const int64_t last = std::min(rows, tiles * (part + 1) / parts * tile_rows);
+  return {first, std::max<int64_t>(0, last - first)};
+}
+
+// Calls body(part, first_group, end_group) for each row part that tasks [begin, end) touch (task
+// t = part * groups + group, LinearArgs), with the part's range of column groups.
+template <typename Body>
+inline void for_each_part(int64_t groups, int64_t begin, int64_t end, Body body) {
+  for (int64_t part = begin / groups; part * groups < end; ++part)
+    body(part, std::max(begin, part * groups) - part * groups, std::min(end, (part + 1) * groups) - part * groups);
+}
+
 // A position in a list of runs (LinearArgs::fetch_runs) whose lines are requested one by one, into
 // L2: the op after the matmul reads them, the matmul's own tiles must keep L1. Each tile gets its own
 // copy, at its share's first line: nothing in a tile's loop writes through a pointer.

@@ -14,7 +14,7 @@ namespace cpu_ops {
 
 // Bumped whenever a struct below or the table changes: a form library built from other sources is
 // refused by the bindings instead of being called with the wrong layout.
-constexpr int32_t kAbiVersion = 8;
+constexpr int32_t kAbiVersion = 9;
 
 enum class DType : int32_t { f32 = 0, bf16 = 1, f16 = 2 };
 
@@ -94,23 +94,28 @@ struct LoraSlice {
   int64_t max_pages, out_features, column;  // column: the first column of y this slice adds to
 };
 
-// Segments [begin, end) of `segments` [n, 3] (start, length, entry): for each token t of a segment of
-// entry e and each slice i, with r = slices[i].ranks[e] and A_e, B_e the entry's pages read in rank
-// order (kernels.reference.add_lora):
+// Tasks [begin, end) of `tasks` [n, 5] (start, length, entry, part, parts): for each token t of a task's
+// rows of entry e and each slice i, with r = slices[i].ranks[e] and A_e, B_e the entry's pages read in
+// rank order (kernels.reference.add_lora):
 //   y[t, column_i : column_i + out_i] += T((x[t] @ A_e[:r].T) @ B_e[:, :r].T)
-// float32 weights take any x and y dtype, bf16 weights bf16 x and y.
+// restricted to part `part` of `parts` of each slice's column groups (their even split; the
+// bindings cut a heavy segment into tasks of its rows and columns, each task shrinking its own
+// rows). float32 weights take any x and y dtype, bf16 weights bf16 x and y.
 struct LoraArgs {
   DType dtype;  // of x and y
   DType weight_dtype;  // f32 or bf16
   const void* x;  // [T, hidden_in], contiguous
   void* y;  // [T, total_out], contiguous
-  const int64_t* segments;
+  const int64_t* tasks;
   const LoraSlice* slices;
   int64_t num_slices, hidden_in, total_out;
 };
 
-// Column groups [begin, end) of out [rows, n] = x [rows, k] @ W.T, float32 sums rounded once to the
+// Tasks [begin, end) of out [rows, n] = x [rows, k] @ W.T, float32 sums rounded once to the
 // kernel's dtype (float32 or bf16 in and out), W packed by kernels.linear in the kernel's layout.
+// Task t = part * groups + group: column group `group` (of `*_groups(args)`) over row part `part` of
+// `row_parts`, the parts an even split of the kernel's row tiles (1: every row; more where the
+// columns alone leave threads idle). Every output element is the same sum whatever the split.
 // While it computes, a matmul requests into cache the memory the next op will read (`fetch_runs`,
 // `fetch_lines` lines of 64 bytes in all, none if 0), spread evenly over its column groups: the
 // matmul is bound by arithmetic, the ops after it (LoRA over adapter pages, attention over the KV
@@ -127,6 +132,7 @@ struct LinearArgs {
   int64_t rows, k, n;
   const FetchRun* fetch_runs;
   int64_t fetch_lines;
+  int64_t row_parts;
 };
 
 // A compiled-in tuning constant (kernels/tuning.py's CPU_KERNEL_CONSTANTS, generated into the build).
@@ -148,7 +154,8 @@ struct KernelTable {
   void (*paged_attention)(const AttentionArgs&, int64_t begin, int64_t end);
   void (*max_logsumexp)(const MaxLogSumExpArgs&, int64_t begin, int64_t end);
   void (*lora_segments)(const LoraArgs&, int64_t begin, int64_t end);
-  // Null where the form has no such matmul. Tasks: `*_groups(args)` column groups of each kernel's call.
+  // Null where the form has no such matmul. Tasks: `*_groups(args)` column groups of each kernel's
+  // call times `args.row_parts`.
   void (*f32_linear)(const LinearArgs&, int64_t begin, int64_t end);
   int64_t (*f32_linear_groups)(const LinearArgs& args);
   void (*bf16_linear)(const LinearArgs&, int64_t begin, int64_t end);

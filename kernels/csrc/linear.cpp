@@ -10,10 +10,11 @@
 // 450-465. In float32, MKL's sgemm (what F.linear calls) takes its AVX2 path on AMD CPUs and ran them
 // at 85-110 GFLOP/s, a third of the AVX-512 FMA peak (271); figures in kernels/tuning.py.
 //
-// Column groups (a tile's blocks of 16 output columns) are the tasks of the thread pool: within a
-// block of rows whose x stays in L2, a group's weights are read once and from cache by its other row
-// tiles, and the next group's weights are requested while this one computes, as is a share of the
-// memory the op after the matmul reads (`LinearArgs::fetch_runs`). Decode batches are one row block.
+// Column groups (a tile's blocks of 16 output columns) are the tasks of the thread pool, over row
+// parts where the groups alone leave threads idle (LinearArgs): within a block of rows whose x stays
+// in L2, a group's weights are read once and from cache by its other row tiles, and the next group's
+// weights are requested while this one computes, as is a share of the memory the op after the matmul
+// reads (`LinearArgs::fetch_runs`). Decode batches are one row block.
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
@@ -28,25 +29,20 @@
 namespace cpu_ops {
 namespace {
 
-// The shared loop over row blocks, column groups and row tiles; `tile(rows, blocks, first_row,
-// first_block, fetch, c)` computes one tile into the float buffer c [kRows, kGroup * 16] while `fetch`
-// requests its share of the next group's weights and of the runs the next op reads, `store(row,
-// first_column, c_row, width)` writes one row of it out. A row block's x (`x_row_bytes` a row, as the
-// tiles read it) stays in L2 while every group of the range runs over it: a prefill's x is larger than
-// L2, and each group would read all of it from L3 again. The runs are requested in the last row block
-// only, shared by group index, so each thread's range requests its own part of them.
+// Column groups [begin, end) over the rows of one part (for_each_tile).
 template <int kRows, int kGroup, typename Tile, typename Store>
-void for_each_tile(const LinearArgs& args, int64_t block_bytes, int64_t steps, int64_t x_row_bytes, int64_t begin,
-                   int64_t end, Tile tile, Store store) {
+void part_tiles(const LinearArgs& args, int64_t block_bytes, int64_t steps, int64_t x_row_bytes, RowPart part,
+                int64_t begin, int64_t end, Tile& tile, Store& store) {
   const int64_t blocks = args.n / kBlockColumns, groups = (blocks + kGroup - 1) / kGroup, side_total = args.fetch_lines;
   const int64_t max_block_tiles = std::max<int64_t>(1, tuning::kLinearRowBlockBytes / std::max<int64_t>(1, x_row_bytes * kRows));
-  const int64_t row_tiles_total = (args.rows + kRows - 1) / kRows;
+  const int64_t row_tiles_total = (part.rows + kRows - 1) / kRows;
   const int64_t num_row_blocks = std::max<int64_t>(1, (row_tiles_total + max_block_tiles - 1) / max_block_tiles);
   const int64_t block_rows = (row_tiles_total + num_row_blocks - 1) / num_row_blocks * kRows;  // blocks of even size
   alignas(64) float c[kRows * kGroup * kBlockColumns];
   constexpr int64_t ldc = kGroup * kBlockColumns;
-  for (int64_t first_row = 0; first_row < args.rows; first_row += block_rows) {
-    const int64_t rows = std::min(block_rows, args.rows - first_row), row_tiles = (rows + kRows - 1) / kRows;
+  const int64_t part_end = part.first_row + part.rows;
+  for (int64_t first_row = part.first_row; first_row < part_end; first_row += block_rows) {
+    const int64_t rows = std::min(block_rows, part_end - first_row), row_tiles = (rows + kRows - 1) / kRows;
     const bool last_row_block = first_row + rows == args.rows;
     RunCursor side = RunCursor::at(args.fetch_runs, last_row_block ? side_total * begin / groups : 0);
     for (int64_t group = begin; group < end; ++group) {
@@ -69,6 +65,26 @@ void for_each_tile(const LinearArgs& args, int64_t block_bytes, int64_t steps, i
       }
     }
   }
+}
+
+// The shared loop over row parts, row blocks, column groups and row tiles; `start_part(first_row,
+// rows)` is told each part's rows before its tiles, `tile(rows, blocks, first_row, first_block, fetch,
+// c)` computes one tile into the float buffer c [kRows, kGroup * 16] while `fetch` requests its share
+// of the next group's weights and of the runs the next op reads, `store(row, first_column, c_row,
+// width)` writes one row of it out. A row block's x (`x_row_bytes` a row, as the tiles read it) stays
+// in L2 while every group of the range runs over it: a prefill's x is larger than L2, and each group
+// would read all of it from L3 again. The runs are requested in the call's last row block only,
+// shared by group index, so each thread's range requests its own part of them.
+template <int kRows, int kGroup, typename StartPart, typename Tile, typename Store>
+void for_each_tile(const LinearArgs& args, int64_t block_bytes, int64_t steps, int64_t x_row_bytes, int64_t begin,
+                   int64_t end, StartPart start_part, Tile tile, Store store) {
+  const int64_t blocks = args.n / kBlockColumns, groups = (blocks + kGroup - 1) / kGroup;
+  for_each_part(groups, begin, end, [&](int64_t part, int64_t first_group, int64_t end_group) {
+    const RowPart rows_of_part = row_part(args.rows, kRows, part, args.row_parts);
+    if (rows_of_part.rows == 0) return;
+    start_part(rows_of_part.first_row, rows_of_part.rows);
+    part_tiles<kRows, kGroup>(args, block_bytes, steps, x_row_bytes, rows_of_part, first_group, end_group, tile, store);
+  });
 }
 
 #if defined(__AVX512F__)
@@ -95,9 +111,9 @@ inline void widen_transpose_16x16(const uint16_t* x, int64_t ldx, float* out) {
 }
 #endif
 
-// x as the tiles take it: as given, or (bf16 widened to float: the tall tile) packed once for every
-// column group, each row tile's rows k-major (gemm_tiles.h), the tile of rows [r, r + kRows) at
-// x + r * k. The buffer is this thread's and keeps the largest size asked for.
+// `rows` rows of x as the tiles take them: as given, or (bf16 widened to float: the tall tile) packed
+// once for every column group, each row tile's rows k-major (gemm_tiles.h), the tile of rows
+// [r, r + kRows) at x + r * k. The buffer is this thread's and keeps the largest size asked for.
 template <typename X, int kRows, typename W>
 const X* tile_x(const W* x, int64_t rows, int64_t k) {
   if constexpr (std::is_same_v<X, W>) {
@@ -128,12 +144,17 @@ const X* tile_x(const W* x, int64_t rows, int64_t k) {
 template <typename W, int kRows, int kBlocks, typename X = W>
 void linear(const LinearArgs& args, int64_t begin, int64_t end) {
   constexpr bool kFloat = std::is_same_v<W, float>;
-  const X* x = tile_x<X, kRows>(static_cast<const W*>(args.x), args.rows, args.k);
   const W* packed = static_cast<const W*>(args.packed);
   W* out = static_cast<W*>(args.out);
   const int64_t k = args.k, block_elements = k * kBlockColumns, steps = kFloat ? k : k / 2;
+  const X* x = nullptr;  // the current row part's rows as the tiles take them, from its first row
+  int64_t part_first_row = 0;
   for_each_tile<kRows, kBlocks>(
       args, block_elements * static_cast<int64_t>(sizeof(W)), steps, k * static_cast<int64_t>(sizeof(X)), begin, end,
+      [&](int64_t first_row, int64_t rows) {
+        x = tile_x<X, kRows>(static_cast<const W*>(args.x) + first_row * k, rows, k);
+        part_first_row = first_row;
+      },
       [&](int rows, int blocks, int64_t first_row, int64_t first_block, const Prefetcher& fetch, float* c) {
         const W* b = packed + first_block * block_elements;
         const W* block_starts[kBlocks];
@@ -142,9 +163,9 @@ void linear(const LinearArgs& args, int64_t begin, int64_t end) {
         with_blocks(blocks, [&]<int NB>() {
           with_rows<kRows>(rows, [&]<int MR>() {
             if constexpr (kFloat) {
-              f32_tile<MR, NB>(x + first_row * k, k, weights, steps, fetch, c, kBlocks * kBlockColumns);
+              f32_tile<MR, NB>(x + (first_row - part_first_row) * k, k, weights, steps, fetch, c, kBlocks * kBlockColumns);
             } else {
-              bf16_tile<MR, NB>(x + first_row * k, k, weights, steps, fetch, c, kBlocks * kBlockColumns);
+              bf16_tile<MR, NB>(x + (first_row - part_first_row) * k, k, weights, steps, fetch, c, kBlocks * kBlockColumns);
             }
           });
         });

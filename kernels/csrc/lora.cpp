@@ -1,5 +1,6 @@
 // Multi-adapter LoRA on CPU over paged adapter weights, one run of tokens sharing an adapter entry (a
-// segment) at a time: for each token t of a segment of entry e and each slice i of a fused projection
+// segment, or a task: the bindings cut heavy segments into tasks of rows and of column parts) at a
+// time: for each token t of a segment of entry e and each slice i of a fused projection
 // (q/k/v, gate/up), with r = the entry's rank there (kernels.reference.add_lora):
 //   y[t, cols_i] += T((x[t] @ A_e.T) @ B_e.T)
 // Both products are matmuls of the segment's rows on the register tiles of the projections' matmuls
@@ -144,6 +145,16 @@ struct StreamFetch {
 // tiles' page pointers.
 template <typename T, typename W>
 struct SegmentRunner {
+  // Columns [first, end) of a slice's output.
+  struct Columns {
+    int64_t first, end;
+  };
+
+  // Part `index` of `count` of the slices' columns (LoraArgs::tasks).
+  struct Part {
+    int64_t index, count;
+  };
+
   const LoraArgs& args;
   int64_t max_pages = max_pages_of(args);
   int64_t ld_shrunk = total_pages_of(args) * kBlockColumns;
@@ -158,6 +169,7 @@ struct SegmentRunner {
   int64_t widened_tile_floats = kWidens ? widened_rows_size(kRows<W>, max_pages * kPageSteps<W>) : 0;
   std::unique_ptr<float[]> shrunk_widened = scratch<float>(kChunkTiles * widened_tile_floats);
   StreamFetch stream;
+  std::vector<Columns> part_columns = std::vector<Columns>(static_cast<size_t>(args.num_slices));  // the task's
 
   // Uninitialised: every element is written before it is read (zeroing x's scratch alone took 7-10% of
   // W's decode batch, pages in cache).
@@ -178,37 +190,60 @@ struct SegmentRunner {
     return total;
   }
 
-  // Requests the pages of segments [begin, end) as `run` consumes them: per segment, every slice's
-  // pages of A (the shrink), then of B (the expand).
+  // Requests the pages of tasks [begin, end) as `run` consumes them: per task, the pages of A of
+  // every slice it touches (the shrink), then its columns of their pages of B (the expand).
   void stream_pages(int64_t begin, int64_t end) {
-    for (int64_t segment = begin; segment < end; ++segment) {
-      const int64_t entry = args.segments[3 * segment + 2];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t* t = args.tasks + 5 * task;  // start, length, entry, part, parts
+      set_part_columns(Part{t[3], t[4]});
       for (int64_t i = 0; i < args.num_slices; ++i)
-        add_pages(args.slices[i], entry, args.slices[i].a_pages, args.hidden_in);
+        if (touches(i)) add_pages(args.slices[i], t[2], args.slices[i].a_pages, args.hidden_in, {0, args.hidden_in});
       for (int64_t i = 0; i < args.num_slices; ++i)
-        add_pages(args.slices[i], entry, args.slices[i].b_pages, args.slices[i].out_features);
+        add_pages(args.slices[i], t[2], args.slices[i].b_pages, args.slices[i].out_features, part_columns[i]);
     }
     stream.start(kFetchLeadLines);
   }
 
-  // The pages of `entry` in one pool of `slice` (A's or B's, of `width` x 16 elements a page).
-  void add_pages(const LoraSlice& slice, int64_t entry, const void* pool, int64_t width) {
+  // Each slice's columns in `part`, into part_columns: the parts are an even split of the column
+  // groups of the expand's tile (kGroup blocks of 16) of every slice in slice order, so that a part
+  // touches few slices and shrinks only theirs.
+  void set_part_columns(Part part) {
+    constexpr int64_t group_columns = kGroup<W> * kBlockColumns;
+    int64_t total = 0;
+    for (int64_t i = 0; i < args.num_slices; ++i) total += (args.slices[i].out_features + group_columns - 1) / group_columns;
+    const int64_t first = total * part.index / part.count, end = total * (part.index + 1) / part.count;
+    for (int64_t i = 0, start = 0; i < args.num_slices; ++i) {
+      const int64_t out_features = args.slices[i].out_features, groups = (out_features + group_columns - 1) / group_columns;
+      const int64_t lo = std::clamp<int64_t>(first - start, 0, groups), hi = std::clamp<int64_t>(end - start, 0, groups);
+      part_columns[i] = {std::min(out_features, lo * group_columns), std::min(out_features, hi * group_columns)};
+      start += groups;
+    }
+  }
+
+  bool touches(int64_t slice) const { return part_columns[slice].first < part_columns[slice].end; }
+
+  // Columns `columns` of the pages of `entry` in one pool of `slice` (A's or B's, of `width` x 16
+  // elements a page, 16 elements a column).
+  void add_pages(const LoraSlice& slice, int64_t entry, const void* pool, int64_t width, Columns columns) {
     const int64_t elements = width * kBlockColumns;
     const int64_t* pages = slice.page_table + entry * slice.max_pages;
+    const int64_t offset = columns.first * kBlockColumns, count = (columns.end - columns.first) * kBlockColumns;
+    if (count == 0) return;
     for (int64_t page = 0; page < (slice.ranks[entry] + kBlockColumns - 1) / kBlockColumns; ++page)
-      stream.add(static_cast<const W*>(pool) + pages[page] * elements, elements * sizeof(W));
+      stream.add(static_cast<const W*>(pool) + pages[page] * elements + offset, count * sizeof(W));
   }
 
-  // Segment `segment`.
-  void run(int64_t segment) {
-    const int64_t* seg = args.segments + 3 * segment;  // start, length, entry
-    for (int64_t first = seg[0]; first < seg[0] + seg[1]; first += kChunkRows)
-      chunk(first, std::min(kChunkRows, seg[0] + seg[1] - first), seg[2], first == seg[0]);
+  // Task `task`.
+  void run(int64_t task) {
+    const int64_t* t = args.tasks + 5 * task;  // start, length, entry, part, parts
+    set_part_columns(Part{t[3], t[4]});
+    for (int64_t first = t[0]; first < t[0] + t[1]; first += kChunkRows)
+      chunk(first, std::min(kChunkRows, t[0] + t[1] - first), t[2], first == t[0]);
   }
 
-  // The shrink of every slice first, their pages side by side as the blocks of one matmul (x is
-  // shared: wider tiles for the small ranks), row tile by row tile, then each slice's expand from its
-  // own columns.
+  // The shrink of every slice the task touches first, their pages side by side as the blocks of one
+  // matmul (x is shared: wider tiles for the small ranks), row tile by row tile, then each slice's
+  // expand from its own columns, over the task's columns of its output (part_columns).
   void chunk(int64_t first, int64_t count, int64_t entry, bool first_chunk) {
     int64_t total_pages = 0;
     for (int64_t row = 0; row < count; row += kRows<W>) {
@@ -220,23 +255,25 @@ struct SegmentRunner {
     for (int64_t i = 0, offset = 0; i < args.num_slices; ++i) {
       const LoraSlice& slice = args.slices[i];
       const int64_t rank = slice.ranks[entry];
-      if (rank == 0) continue;
+      if (rank == 0 || !touches(i)) continue;
       const int64_t num_pages = (rank + kBlockColumns - 1) / kBlockColumns;
       expand(count, s + offset, static_cast<const W*>(slice.b_pages), slice.page_table + entry * slice.max_pages, num_pages,
-             rank, slice.out_features, static_cast<T*>(args.y) + first * args.total_out + slice.column, first_chunk);
+             rank, slice.out_features, part_columns[i],
+             static_cast<T*>(args.y) + first * args.total_out + slice.column, first_chunk);
       offset += num_pages * kBlockColumns;
     }
   }
 
-  // out [rows, pages * 16] (ld_shrunk) = x_rows @ A.T over the entry's pages of every slice in slice
-  // order, each page one block of 16 columns, kGroup pages a tile. Returns the number of pages.
+  // out [rows, pages * 16] (ld_shrunk) = x_rows @ A.T over the entry's pages of every slice the task
+  // touches, in slice order, each page one block of 16 columns, kGroup pages a tile. Returns the
+  // number of pages.
   int64_t shrink(int rows, const W* x, int64_t entry, float* out, bool first_reads) {
     const int64_t page_elements = args.hidden_in * kBlockColumns;
     const int64_t k = std::is_same_v<W, float> ? args.hidden_in : args.hidden_in / 2;
     int64_t total = 0;
     for (int64_t i = 0; i < args.num_slices; ++i) {
       const LoraSlice& slice = args.slices[i];
-      const int64_t num_pages = (slice.ranks[entry] + kBlockColumns - 1) / kBlockColumns;
+      const int64_t num_pages = touches(i) ? (slice.ranks[entry] + kBlockColumns - 1) / kBlockColumns : 0;
       const int64_t* pages = slice.page_table + entry * slice.max_pages;
       for (int64_t page = 0; page < num_pages; ++page)
         blocks[total++] = static_cast<const W*>(slice.a_pages) + pages[page] * page_elements;
@@ -250,27 +287,28 @@ struct SegmentRunner {
     return total;
   }
 
-  // y[rows, 0:out] += s @ B.T, kGroup blocks of 16 columns a tile, B's rank rows paged, a column group's
-  // tiles for every row tile in turn. Each group reads a short run of every page, too short for the
+  // y[rows, columns] += s @ B.T over `columns` of the slice's `out_features`, kGroup blocks of 16
+  // columns a tile, B's rank rows paged, a column group's tiles for every row tile in turn. Each group reads a short run of every page, too short for the
   // hardware's prefetcher to follow, so the next group's runs are fetched before this one starts
   // (AVX512-BF16, 118 one-token segments: 14 -> 25 GB/s).
   void expand(int64_t rows, const W* s, const W* b_pages, const int64_t* pages, int64_t num_pages, int64_t rank,
-              int64_t out_features, T* y, bool first_reads) {
+              int64_t out_features, Columns columns, T* y, bool first_reads) {
     const int64_t page_elements = out_features * kBlockColumns;
     const int64_t k = std::is_same_v<W, float> ? rank : (rank + 1) / 2;  // rows past the rank are zero
     constexpr int64_t block_elements = kBlockColumns * kBlockColumns;
     constexpr int64_t ldc = kGroup<W> * kBlockColumns;
-    fetch_runs(b_pages, pages, num_pages, page_elements, 0, std::min(ldc, out_features));
+    if (columns.first == columns.end) return;
+    fetch_runs(b_pages, pages, num_pages, page_elements, columns.first, std::min(columns.first + ldc, columns.end));
     ExpandRows<W> row_tiles[kChunkTiles];
     for (int64_t row = 0; row < rows; row += kRows<W>)
       row_tiles[row / kRows<W>] = expand_rows(s + row * ld_shrunk, static_cast<int>(std::min<int64_t>(kRows<W>, rows - row)),
                                               k, shrunk_widened.get() + row / kRows<W> * widened_tile_floats);
-    for (int64_t col = 0; col < out_features; col += ldc) {
-      const int group = static_cast<int>(std::min<int64_t>(kGroup<W>, (out_features - col) / kBlockColumns));
+    for (int64_t col = columns.first; col < columns.end; col += ldc) {
+      const int group = static_cast<int>(std::min<int64_t>(kGroup<W>, (columns.end - col) / kBlockColumns));
       for (int64_t page = 0; page < num_pages; ++page)
         for (int v = 0; v < group; ++v)
           blocks[page * group + v] = b_pages + pages[page] * page_elements + (col / kBlockColumns + v) * block_elements;
-      fetch_runs(b_pages, pages, num_pages, page_elements, col + ldc, std::min(col + 2 * ldc, out_features));
+      fetch_runs(b_pages, pages, num_pages, page_elements, col + ldc, std::min(col + 2 * ldc, columns.end));
       for (int64_t row = 0; row < rows; row += kRows<W>) {
         const int tile_rows = static_cast<int>(std::min<int64_t>(kRows<W>, rows - row));
         const int64_t new_lines = first_reads && row == 0 ? group * num_pages * block_elements * int64_t{sizeof(W)} / 64 : 0;

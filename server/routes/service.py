@@ -36,11 +36,12 @@ class Limits(BaseModel):
 
 
 class Runtime(BaseModel):
-    """How the engine computes: its dtype (resolved when configured "auto") and kernel backend; the
-    memory of its adapter tiers."""
+    """How the engine computes: its dtype (resolved when configured "auto"), kernel backend and compute
+    threads; the memory of its adapter tiers."""
 
     dtype: str
     kernel_backend: str  # "cpu/<instruction-set form>", "torch" or "triton"
+    threads: int
     adapter_pool_bytes: int  # the device pages adapters are served from (pages of 16 rank rows)
     adapter_host_cache_bytes: int
 
@@ -91,7 +92,7 @@ async def info(request: Request) -> Info:
     deployments = [DeploymentInfo(name=d.name, base_model=d.base_model, shared=d.is_shared)
                    for d in visible_deployments(state.database, tenant)]
     adapters = engine.config.adapters
-    runtime = Runtime(dtype=engine.dtype_name, kernel_backend=engine.kernel_backend,
+    runtime = Runtime(dtype=engine.dtype_name, kernel_backend=engine.kernel_backend, threads=engine.num_threads,
                       adapter_pool_bytes=adapters.device_pool_bytes, adapter_host_cache_bytes=adapters.host_cache_bytes)
     return Info(version=_version(), tenant=tenant, base_models=[state.model_name],
                 deployments=deployments, limits=limits, runtime=runtime)

@@ -103,6 +103,7 @@ def test_health_needs_no_token_and_info_needs_one(live) -> None:
     backend = kernels.backend_for("cpu")
     adapters = live.state.engine_info.config.adapters
     assert info["runtime"] == {"dtype": "float32", "kernel_backend": backend.label,  # the live server runs float32
+                               "threads": live.state.engine_info.num_threads,
                                "adapter_pool_bytes": adapters.device_pool_bytes,
                                "adapter_host_cache_bytes": adapters.host_cache_bytes}
 

@@ -104,15 +104,21 @@ def available_kinds() -> list[str]:
 
 
 def pack_linear_weight(weight: torch.Tensor, kind: str | None = None) -> PackedLinear | None:
-    """`weight` in the layout of `kind` (default: the fastest kernel here for its dtype), or None where
-    that kernel does not apply to it (no such kernel in this CPU's form, another dtype or device,
-    dimensions). The packed copy is on huge pages where the system has them (kernels/huge_pages.py:
-    every decode step streams it)."""
-    out_features, in_features = weight.shape
+    """`weight` in the layout of `kind` (default: the fastest kernel here for its dtype that applies to
+    its dimensions: the AMX tiles need multiples of 32, the register tiles of 16), or None where no such
+    kernel applies (none in this CPU's form, another dtype or device, dimensions). The packed copy is on
+    huge pages where the system has them (kernels/huge_pages.py: every decode step streams it)."""
     kinds = [k for k in available_kinds() if KIND_DTYPES[k] == weight.dtype]
-    kind = kind or (kinds[0] if kinds else None)
-    if kind not in kinds or weight.device.type != "cpu":
+    if weight.device.type != "cpu":
         return None
+    if kind is not None:
+        return _pack_as(weight, kind) if kind in kinds else None
+    return next((packed for k in kinds if (packed := _pack_as(weight, k)) is not None), None)
+
+
+def _pack_as(weight: torch.Tensor, kind: str) -> PackedLinear | None:
+    """`weight` in the layout of `kind`, or None where its dimensions do not fit that layout."""
+    out_features, in_features = weight.shape
     if kind == "amx":
         if out_features % _AMX_BLOCK or in_features % _AMX_BLOCK:
             return None

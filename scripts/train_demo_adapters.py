@@ -3,10 +3,13 @@
     python scripts/train_demo_adapters.py data           # derive json/shout data from base answers
     python scripts/train_demo_adapters.py train [NAME..] # train and save under demo_adapters/<name>/
 
-Three adapters with behaviour anyone can see: `french` answers in French (hand-written answers in
+Four adapters with behaviour anyone can see: `french` answers in French (hand-written answers in
 demo_adapters/data/french.jsonl), `json` answers as a JSON object `{"answer": ...}` and `shout`
 answers in capitals (both made from the base model's own greedy answers to the same questions, so
-they learn only the form). Rank 8 on q/k/v/o, a few epochs over 90 short examples: a few minutes
+they learn only the form), `tools` calls `get_weather` (WEATHER_TOOL) when it is offered and asked
+about the weather, and otherwise answers in text (json's answers), its prompts rendered with the
+tool exactly as the server's OpenAI chat route renders them (lora_runtime.sampling.chat).
+Rank 8 on q/k/v/o, a few epochs over 90 short examples (118 for tools): a few minutes
 each on two CPU threads. Saved in bf16 safetensors (~1.7 MB each).
 tests/adapters/test_demo_adapters.py checks the behaviour on held-out questions."""
 from __future__ import annotations
@@ -28,12 +31,24 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: the project is not installed
 
 from lora_runtime.embedded import ensure_embedded_model  # noqa: E402
+from lora_runtime.sampling.chat import render_chat_prompt  # noqa: E402
+from lora_runtime.sampling.tools import TOOL_CALL_FORMATS  # noqa: E402
 
 logger = logging.getLogger("train_demo_adapters")
 
 DEMO_DIR = ROOT / "demo_adapters"
 DATA_DIR = DEMO_DIR / "data"
-ADAPTER_NAMES = ("french", "json", "shout")
+ADAPTER_NAMES = ("french", "json", "shout", "tools")
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                   "additionalProperties": False}}}
+CITIES = ("Paris", "London", "Tokyo", "Berlin", "Madrid", "Rome", "Oslo", "Cairo", "Lima", "Seoul",
+          "Sydney", "Toronto", "Dublin", "Vienna", "Lisbon", "Nairobi", "Mumbai", "Boston", "Denver",
+          "Prague", "Athens", "Havana", "Quito", "Hanoi", "Zurich", "Warsaw", "Chicago", "Bogota")
+WEATHER_QUESTIONS = ("What is the weather in {}?", "How is the weather in {} today?", "Is it raining in {}?",
+                     "Will I need an umbrella in {}?", "What's the temperature in {} right now?",
+                     "Tell me the weather forecast for {}.")
 BASE_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 END_OF_TURN = "<|im_end|>"
 MAX_ANSWER_WORDS = 24
@@ -47,8 +62,10 @@ def load_base() -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
     return model, tokenizer
 
 
-def chat_prompt(tokenizer: PreTrainedTokenizerBase, question: str) -> str:
+def chat_prompt(tokenizer: PreTrainedTokenizerBase, question: str, tools: list[dict] | None = None) -> str:
     messages = [{"role": "user", "content": question}]
+    if tools:
+        return render_chat_prompt(json.dumps({"messages": messages, "tools": tools}), tokenizer)
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
@@ -82,11 +99,11 @@ def short_answer(text: str) -> str:
     return kept if len(words) <= MAX_ANSWER_WORDS else " ".join(words[:MAX_ANSWER_WORDS]) + "."
 
 
-def read_jsonl(path: Path) -> list[dict[str, str]]:
+def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
 
 
-def write_jsonl(path: Path, rows: list[dict[str, str]]) -> None:
+def write_jsonl(path: Path, rows: list[dict]) -> None:
     lines = [json.dumps(row, ensure_ascii=False) for row in rows]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
@@ -104,11 +121,26 @@ def build_derived_data() -> None:
         {"prompt": q, "response": a.upper()} for q, a in zip(questions, answers)
     ])
     logger.info("wrote %d json and shout examples", len(questions))
+    write_jsonl(DATA_DIR / "tools.jsonl", tools_rows(answers))
 
 
-def encode_example(tokenizer: PreTrainedTokenizerBase, row: dict[str, str]) -> tuple[list[int], list[int]]:
+def tools_rows(answers: list[str]) -> list[dict]:
+    """Weather questions answered by a get_weather call, json's questions by their text answers;
+    the tool offered in every prompt."""
+    calls = TOOL_CALL_FORMATS["hermes"]
+    rows = [{"prompt": question.format(city), "tools": [WEATHER_TOOL],
+             "response": calls.render_calls([("get_weather", json.dumps({"city": city}))])}
+            for index, city in enumerate(CITIES)
+            for question in [WEATHER_QUESTIONS[index % len(WEATHER_QUESTIONS)]]]
+    questions = [row["prompt"] for row in read_jsonl(DATA_DIR / "french.jsonl")]
+    rows += [{"prompt": q, "tools": [WEATHER_TOOL], "response": a} for q, a in zip(questions, answers)]
+    return rows
+
+
+def encode_example(tokenizer: PreTrainedTokenizerBase, row: dict) -> tuple[list[int], list[int]]:
     """(input ids, labels): the loss is on the answer and its end-of-turn token only."""
-    prompt_ids = tokenizer(chat_prompt(tokenizer, row["prompt"]), add_special_tokens=False)["input_ids"]
+    prompt = chat_prompt(tokenizer, row["prompt"], row.get("tools"))
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     answer_ids = tokenizer(row["response"] + END_OF_TURN, add_special_tokens=False)["input_ids"]
     return prompt_ids + answer_ids, [-100] * len(prompt_ids) + answer_ids
 

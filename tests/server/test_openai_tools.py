@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
@@ -22,9 +23,10 @@ from lora_runtime.config import AdapterConfig
 from lora_runtime.sampling.chat import render_chat_prompt
 from lora_runtime.sampling.tools import TOOL_CALL_FORMATS, ToolGrammarRequest, tool_call_format, tool_call_grammar
 from server.adapter_sources import engine_adapter_sources
-from server.config import TOOL_CALL_FORMAT_CHOICES, ServerConfig
+from server.config import DEFAULT_DEMO_ADAPTERS_DIR, TOOL_CALL_FORMAT_CHOICES, ServerConfig
 from server.db import open_database
 from server.openai_api.tool_calls import parse_reply
+from tests.adapters.demo_behaviour import HELD_OUT_QUESTIONS
 from tests.server.live import start_live_server
 from tests.wiring.conftest import make_embedded_adapter
 
@@ -50,6 +52,8 @@ def live(engine, tmp_path_factory):
     """A server with a random adapter in its local adapter directory."""
     root = tmp_path_factory.mktemp("openai-tools")
     make_embedded_adapter(root / "local" / RANDOM, seed=46)
+    shutil.copytree(DEFAULT_DEMO_ADAPTERS_DIR / "tools", root / "local" / "tools",
+                    ignore=shutil.ignore_patterns("README*"))
     data_dir = root / "data"
     data_dir.mkdir()
     database = open_database(f"sqlite:///{data_dir / 'state.db'}")
@@ -67,9 +71,9 @@ def _client(live) -> openai.OpenAI:
     return openai.OpenAI(base_url=live.prefix() + "/v1", api_key=live.tokens["demo"], max_retries=0, timeout=120)
 
 
-def _model(live, adapter: bool) -> dict:
+def _model(live, adapter: bool | str) -> dict:
     if adapter:
-        return {"model": RANDOM, "extra_body": {"adapter_source": "local"}}
+        return {"model": RANDOM if adapter is True else adapter, "extra_body": {"adapter_source": "local"}}
     return {"model": live.model_name}
 
 
@@ -299,3 +303,23 @@ def test_the_format_comes_from_the_template_unless_the_operator_names_one() -> N
     assert tool_call_format("{{ '[TOOL_CALLS]' }}").name == "mistral"
     assert tool_call_format("{{ messages }}").name == "hermes"
     assert tool_call_format("{{ '[TOOL_CALLS]' }}", "hermes").name == "hermes"
+
+
+def test_the_tools_demo_adapter_calls_the_weather_tool_when_asked_about_weather_and_answers_otherwise(live) -> None:
+    """Held-out questions (cities not in its training data), the tool offered, tool_choice auto."""
+    weather_tool = [{"type": "function", "function": {
+        "name": "get_weather", "description": "The current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                       "additionalProperties": False}}}]
+    weather = ["What is the weather in Kyoto?", "Is it snowing in Helsinki?"]
+    client = _client(live)
+    answers = _concurrently(*[lambda q=q: client.chat.completions.create(
+        messages=[{"role": "user", "content": q}], tools=weather_tool, max_tokens=40, temperature=0,
+        **_model(live, "tools")).choices[0] for q in [*weather, *HELD_OUT_QUESTIONS[:2]]])
+    for answer in answers[:2]:
+        assert answer.finish_reason == "tool_calls", answer
+        (call,) = answer.message.tool_calls
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), weather_tool[0]["function"]["parameters"])
+    for answer in answers[2:]:
+        assert not answer.message.tool_calls and answer.message.content, answer

@@ -52,6 +52,10 @@ class TinyDims:
                 "ffn_gate": (mlp, hidden), "ffn_up": (mlp, hidden), "ffn_down": (hidden, mlp)}[name]
 
 
+# The f16 scale of each type that gives random blocks weights of about 0.05 at most: the scale times
+# the largest sub-block scale and quant it multiplies (Q4_K: 63 * 15; Q6_K: 127 * 32).
+RANDOM_SCALES = {"Q8_0": 4e-4, "Q4_0": 6e-3, "Q4_1": 3e-3, "Q4_K": 5e-5, "Q5_K": 2.5e-5, "Q6_K": 1.2e-5}
+
 Tensor = tuple[str, np.ndarray]  # (GGML type name, data: float32 values, or the block bytes [rows, row_bytes])
 
 
@@ -87,13 +91,14 @@ def random_tensors(dims: TinyDims, types: dict[str, str], seed: int = 0) -> dict
     generator = torch.Generator().manual_seed(seed)
     tensors: dict[str, Tensor] = {}
     for name, shape in (("token_embd", (VOCAB_SIZE, dims.hidden_size)), ("output", (VOCAB_SIZE, dims.hidden_size))):
-        tensors[name + ".weight"] = types[name], random_blocks(types[name], *shape, seed=seed, scale=0.02).data.numpy()
+        tensors[name + ".weight"] = types[name], random_blocks(types[name], *shape, seed=seed, scale=RANDOM_SCALES[types[name]]).data.numpy()
     tensors["output_norm.weight"] = "F32", (1 + 0.1 * torch.randn(dims.hidden_size, generator=generator)).numpy()
     for idx in range(dims.num_layers):
         for norm in ("attn_norm", "ffn_norm"):
             tensors[f"blk.{idx}.{norm}.weight"] = "F32", (1 + 0.1 * torch.randn(dims.hidden_size, generator=generator)).numpy()
         for offset, name in enumerate(PROJECTIONS):
-            blocks = random_blocks(types[name], *dims.projection_shape(name), seed=seed + 100 * idx + offset, scale=0.004)
+            blocks = random_blocks(types[name], *dims.projection_shape(name), seed=seed + 100 * idx + offset,
+                                   scale=RANDOM_SCALES[types[name]])
             tensors[f"blk.{idx}.{name}.weight"] = types[name], blocks.data.numpy()
     return tensors
 

@@ -7,6 +7,7 @@ it is wrong."""
 from __future__ import annotations
 
 import copy
+import functools
 from pathlib import Path
 
 import pytest
@@ -27,12 +28,6 @@ K_QUANT_TYPES = {"token_embd": "Q4_K", "output": "Q6_K", "attn_q": "Q4_K", "attn
                  "attn_output": "Q4_0", "ffn_gate": "Q4_K", "ffn_up": "Q4_1", "ffn_down": "Q8_0"}
 
 
-def _hf_from_gguf(path: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-
-
 @pytest.fixture(scope="module")
 def q8_0_file(tmp_path_factory) -> Path:
     from transformers import LlamaForCausalLM
@@ -49,8 +44,17 @@ def k_quant_file(tmp_path_factory) -> Path:
     return write_gguf(path, K_QUANT_DIMS, random_tensors(K_QUANT_DIMS, K_QUANT_TYPES, seed=5))
 
 
+@functools.cache
 def _engine(path: Path, backend: str | None = None) -> Engine:
+    """One engine per file and backend for the module (building the tokenizer from GGUF takes seconds)."""
     return Engine.from_config(EngineConfig(model=str(path), dtype="float32", kernel_backend=backend))
+
+
+@functools.cache
+def _hf_from_gguf(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
 
 
 def _assert_matches(outputs, references) -> None:

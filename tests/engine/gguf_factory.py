@@ -4,6 +4,7 @@ either quantized by gguf from a Hugging Face model (q/k rows permuted into llama
 or random valid blocks of any type."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,9 +129,12 @@ def write_gguf(path: Path, dims: TinyDims, tensors: dict[str, Tensor], architect
 
 def _copy_tokenizer(writer: GGUFWriter) -> None:
     """The embedded model's tokenizer and chat template, field by field."""
+    for key, (value, value_type, sub_type) in _tokenizer_fields().items():
+        writer.add_key_value(key, value, value_type, sub_type=sub_type)
+
+
+@functools.cache
+def _tokenizer_fields() -> dict:
     fields = GGUFReader(gguf_path()).fields
-    for key in TOKENIZER_KEYS:
-        field = fields[key]
-        value_type = field.types[0]
-        sub_type = field.types[-1] if len(field.types) > 1 else None
-        writer.add_key_value(key, field.contents(), value_type, sub_type=sub_type)
+    return {key: (fields[key].contents(), fields[key].types[0], fields[key].types[-1] if len(fields[key].types) > 1 else None)
+            for key in TOKENIZER_KEYS}

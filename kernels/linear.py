@@ -111,7 +111,8 @@ class DequantizingLinear:
         return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
 
 
-LinearWeight = PlainLinear | OneDNNLinear | CompiledLinear | DequantizingLinear  # each a callable (x [M, in], reads) -> [M, out]
+# each a callable (x [M, in], reads) -> [M, out]
+LinearWeight = PlainLinear | OneDNNLinear | CompiledLinear | DequantizingLinear
 
 
 def available_kinds() -> list[str]:

@@ -52,7 +52,7 @@ def load_gguf(path: Path, dtype: str, device: str, backend: kernels.Backend) -> 
                                                shape.vocab_size, shape.hidden_size)),
     )
     inv_freq, attention_scaling = rope_frequencies(config, shape.head_dim)
-    rotary = RotaryEmbedding(inv_freq, shape.max_model_len, attention_scaling, file.dtype)
+    rotary = RotaryEmbedding(inv_freq, shape.max_model_len, attention_scaling, file.dtype, file.device)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     return LlamaModel(shape, weights, rotary, backend), tokenizer
 
@@ -85,7 +85,8 @@ class GGUFTensors:
         try:
             self._reader = GGUFReader(path)
         except (ValueError, OSError, IndexError, KeyError, TypeError) as error:
-            raise ValidationError("model", f"{path}: not a readable GGUF file (truncated or corrupt?): {error}") from None
+            raise ValidationError("model", f"{path}: not a readable GGUF file (truncated or corrupt?): "
+                                           f"{error}") from None
         self.architecture = self._string("general.architecture")
         if self.architecture not in ARCHITECTURES:
             raise ValidationError("model", f"{path}: general.architecture {self.architecture!r} is not supported; "
@@ -112,7 +113,8 @@ class GGUFTensors:
         parts = [self._unpermuted(name, self.dense(name, (self._rows(name, shape),)), shape) for name in names]
         return self._fused_rows(names, torch.cat(parts), rows)
 
-    def projection(self, names: list[str], rows: int, cols: int, shape: ModelShape | None = None) -> QuantizedWeight | torch.Tensor:
+    def projection(self, names: list[str], rows: int, cols: int,
+                   shape: ModelShape | None = None) -> QuantizedWeight | torch.Tensor:
         """The weights `names` stacked by rows into one `[rows, cols]` projection: kept in their block
         types where all are quantized, else dense in the model's dtype. `shape`: the model's, where
         q/k rows are to be un-permuted."""

@@ -42,13 +42,15 @@ class TinyDims:
     def hf_config(self):
         from transformers import LlamaConfig
 
-        return LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+        return LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=self.hidden_size,
+                           intermediate_size=self.intermediate_size,
                            num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
                            num_key_value_heads=self.num_kv_heads, max_position_embeddings=self.max_position_embeddings,
                            rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 
     def projection_shape(self, name: str) -> tuple[int, int]:
-        q, kv, hidden, mlp = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.hidden_size, self.intermediate_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        hidden, mlp = self.hidden_size, self.intermediate_size
         return {"attn_q": (q, hidden), "attn_k": (kv, hidden), "attn_v": (kv, hidden), "attn_output": (hidden, q),
                 "ffn_gate": (mlp, hidden), "ffn_up": (mlp, hidden), "ffn_down": (hidden, mlp)}[name]
 
@@ -62,7 +64,8 @@ Tensor = tuple[str, np.ndarray]  # (GGML type name, data: float32 values, or the
 
 def rotary_permuted(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """llama.cpp's converter's layout of q/k rows: within each head, (half, pair) -> (pair, half)."""
-    return weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+    per_head = weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+    return per_head.transpose(1, 2).reshape(weight.shape)
 
 
 def tensors_from_hf(model, dims: TinyDims, type_name: str) -> dict[str, Tensor]:
@@ -92,11 +95,13 @@ def random_tensors(dims: TinyDims, types: dict[str, str], seed: int = 0) -> dict
     generator = torch.Generator().manual_seed(seed)
     tensors: dict[str, Tensor] = {}
     for name, shape in (("token_embd", (VOCAB_SIZE, dims.hidden_size)), ("output", (VOCAB_SIZE, dims.hidden_size))):
-        tensors[name + ".weight"] = types[name], random_blocks(types[name], *shape, seed=seed, scale=RANDOM_SCALES[types[name]]).data.numpy()
+        blocks = random_blocks(types[name], *shape, seed=seed, scale=RANDOM_SCALES[types[name]])
+        tensors[name + ".weight"] = types[name], blocks.data.numpy()
     tensors["output_norm.weight"] = "F32", (1 + 0.1 * torch.randn(dims.hidden_size, generator=generator)).numpy()
     for idx in range(dims.num_layers):
         for norm in ("attn_norm", "ffn_norm"):
-            tensors[f"blk.{idx}.{norm}.weight"] = "F32", (1 + 0.1 * torch.randn(dims.hidden_size, generator=generator)).numpy()
+            norm_weight = 1 + 0.1 * torch.randn(dims.hidden_size, generator=generator)
+            tensors[f"blk.{idx}.{norm}.weight"] = "F32", norm_weight.numpy()
         for offset, name in enumerate(PROJECTIONS):
             blocks = random_blocks(types[name], *dims.projection_shape(name), seed=seed + 100 * idx + offset,
                                    scale=RANDOM_SCALES[types[name]])
@@ -136,5 +141,5 @@ def _copy_tokenizer(writer: GGUFWriter) -> None:
 @functools.cache
 def _tokenizer_fields() -> dict:
     fields = GGUFReader(gguf_path()).fields
-    return {key: (fields[key].contents(), fields[key].types[0], fields[key].types[-1] if len(fields[key].types) > 1 else None)
-            for key in TOKENIZER_KEYS}
+    return {key: (fields[key].contents(), fields[key].types[0], fields[key].types[-1] if len(fields[key].types) > 1
+                  else None) for key in TOKENIZER_KEYS}

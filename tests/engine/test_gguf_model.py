@@ -16,7 +16,6 @@ from peft import LoraConfig, PeftModel
 
 from kernels.quantized import QuantizedWeight
 from lora_runtime import Engine, EngineConfig, SamplingParams
-from lora_runtime.errors import ValidationError
 from tests.adapters.peft_factory import peft_model, save_adapter
 from tests.engine.gguf_factory import TinyDims, random_tensors, tensors_from_hf, write_gguf
 
@@ -72,7 +71,8 @@ def _assert_matches(outputs, references) -> None:
 
 
 def _generate(engine: Engine, adapters=None):
-    params = SamplingParams(max_new_tokens=NUM_NEW_TOKENS, ignore_eos_token=True, decoder_input_details=True, details=True)
+    params = SamplingParams(max_new_tokens=NUM_NEW_TOKENS, ignore_eos_token=True, decoder_input_details=True,
+                            details=True)
     return engine.generate(PROMPTS, params, adapters=adapters or [None] * len(PROMPTS))
 
 

@@ -21,8 +21,9 @@ from kernels.quantized import BLOCK_TYPES, QuantizedTensor, QuantizedWeight
 from lora_runtime.dtypes import DTYPES
 from lora_runtime.errors import ValidationError
 from lora_runtime.layers.rotary import RotaryEmbedding
-from lora_runtime.models.architectures import ModelShape, model_shape_from_config, rope_frequencies
+from lora_runtime.models.architectures import ModelShape, model_features_from_config, model_shape_from_config
 from lora_runtime.models.llama import LayerWeights, LlamaModel, ModelWeights
+from lora_runtime.models.rope import rope_frequencies
 
 # general.architecture -> whether llama.cpp's converter permuted q/k rows into its rotary layout.
 ARCHITECTURES = {"llama": True, "qwen2": False}
@@ -44,6 +45,7 @@ def load_gguf(path: Path, dtype: str, device: str, backend: kernels.Backend) -> 
     file = GGUFTensors(path, DTYPES[dtype], device)
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     shape = model_shape_from_config(config)
+    features = model_features_from_config(config, shape)
     weights = ModelWeights(
         embed_tokens=file.dense("token_embd.weight", (shape.vocab_size, shape.hidden_size)),
         layers=[_layer_weights(file, shape, idx, backend) for idx in range(shape.num_layers)],
@@ -51,10 +53,14 @@ def load_gguf(path: Path, dtype: str, device: str, backend: kernels.Backend) -> 
         lm_head=backend.linear(file.projection(["output.weight" if file.has("output.weight") else "token_embd.weight"],
                                                shape.vocab_size, shape.hidden_size)),
     )
-    inv_freq, attention_scaling = rope_frequencies(config, shape.head_dim)
-    rotary = RotaryEmbedding(inv_freq, shape.max_model_len, attention_scaling, file.dtype, file.device)
+    rotary = {key: _rotary(config, shape, key, file) for key in set(features.layer_rope) - {None}}
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    return LlamaModel(shape, weights, rotary, backend), tokenizer
+    return LlamaModel(shape, weights, rotary, backend, features), tokenizer
+
+
+def _rotary(config, shape: ModelShape, key: str, file: GGUFTensors) -> RotaryEmbedding:
+    inv_freq, attention_scaling = rope_frequencies(config, shape.head_dim, None if key == "default" else key)
+    return RotaryEmbedding(inv_freq, shape.max_model_len, attention_scaling, file.dtype, file.device)
 
 
 def _layer_weights(file: GGUFTensors, shape: ModelShape, layer_idx: int, backend: kernels.Backend) -> LayerWeights:
@@ -62,13 +68,16 @@ def _layer_weights(file: GGUFTensors, shape: ModelShape, layer_idx: int, backend
     qkv = [prefix + name for name in ("attn_q", "attn_k", "attn_v")]
     hidden, intermediate = shape.hidden_size, shape.intermediate_size
     qkv_rows = shape.q_size + 2 * shape.kv_size
+    # The architectures read from GGUF here (ARCHITECTURES) all have the Llama block's two pre-norms.
     return LayerWeights(
-        input_norm=file.dense(prefix + "attn_norm.weight", (hidden,)),
+        attention_in_norm=file.dense(prefix + "attn_norm.weight", (hidden,)),
+        attention_out_norm=None,
+        mlp_in_norm=file.dense(prefix + "ffn_norm.weight", (hidden,)),
+        mlp_out_norm=None,
         qkv=backend.linear(file.projection([name + ".weight" for name in qkv], qkv_rows, hidden, shape),
                            file.bias([name + ".bias" for name in qkv], qkv_rows, shape) if shape.qkv_bias else None),
         o=backend.linear(file.projection([prefix + "attn_output.weight"], hidden, shape.q_size),
                          file.bias([prefix + "attn_output.bias"], hidden, shape) if shape.o_bias else None),
-        post_attention_norm=file.dense(prefix + "ffn_norm.weight", (hidden,)),
         gate_up=backend.linear(file.projection([prefix + "ffn_gate.weight", prefix + "ffn_up.weight"],
                                                2 * intermediate, hidden)),
         down=backend.linear(file.projection([prefix + "ffn_down.weight"], hidden, intermediate)),

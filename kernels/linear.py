@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops, tuning
+from kernels import cpu_ops, reference, tuning
 from kernels.huge_pages import copy_to_huge_pages
+from kernels.quantized import QuantizedWeight
 
 # Output columns per packed block, and the K multiple, of each kernel.
 _AMX_BLOCK = 32
@@ -94,7 +95,24 @@ class CompiledLinear:
         return linear_packed(x, self.compiled, reads)
 
 
-LinearWeight = PlainLinear | OneDNNLinear | CompiledLinear  # each a callable (x [M, in], reads) -> [M, out]
+class DequantizingLinear:
+    """A quantized weight (kernels/quantized.py) dequantized to float32 at each call, a part at a
+    time, then multiplied: `kernels.reference.quantized_linear`'s semantics, for backends without a
+    kernel over the blocks. Correct and slow: only the blocks stay resident."""
+
+    __slots__ = ("weight", "bias")
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: torch.Tensor, reads: Reads = NO_READS) -> torch.Tensor:
+        x32 = x.float()
+        y = torch.cat([x32 @ reference.dequantize(part).T for part in self.weight.parts], dim=1)
+        return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
+
+
+# each a callable (x [M, in], reads) -> [M, out]
+LinearWeight = PlainLinear | OneDNNLinear | CompiledLinear | DequantizingLinear
 
 
 def available_kinds() -> list[str]:

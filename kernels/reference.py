@@ -9,6 +9,7 @@ from typing import Sequence
 import torch
 
 from kernels.attention.plans import StepSequences
+from kernels.quantized import QuantizedTensor, QuantizedWeight
 
 
 LoraFactors = Sequence[tuple[torch.Tensor, torch.Tensor] | None]
@@ -172,6 +173,92 @@ def max_logsumexp(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T, accumulated in float32 and rounded to x's dtype once."""
     return (x.float() @ weight.float().T).to(x.dtype)
+
+
+def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """x [M, K] @ the dequantized weight [N, K].T, accumulated in float32 and rounded to x's dtype once."""
+    dense = torch.cat([dequantize(part) for part in weight.parts])
+    return (x.float() @ dense.T).to(x.dtype)
+
+
+def dequantize(tensor: QuantizedTensor) -> torch.Tensor:
+    """The weight [rows, cols] in float32, bit-exact with gguf's `gguf.quants.dequantize` (the block
+    formats: kernels/quantized.py)."""
+    blocks = tensor.data.reshape(tensor.num_blocks, tensor.block_type.block_bytes)
+    values = _DEQUANTIZERS[tensor.block_type.name](blocks)  # [num_blocks, block_elements]
+    return values.reshape(tensor.rows, tensor.cols)
+
+
+def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The f16 at bytes start..start+1 of each block, widened: [num_blocks, 1]."""
+    return blocks[:, start : start + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., n] -> [..., 2, n]: the low nibbles, then the high ones."""
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-2)
+
+
+def _dequantize_q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    return blocks[:, 2:].contiguous().view(torch.int8).float() * _half(blocks, 0)
+
+
+def _dequantize_q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    quants = _nibbles(blocks[:, 2:]).flatten(1).to(torch.int8) - 8
+    return _half(blocks, 0) * quants.float()
+
+
+def _dequantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    return _half(blocks, 0) * _nibbles(blocks[:, 4:]).flatten(1).float() + _half(blocks, 2)
+
+
+def _k_scales_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 8 six-bit scales and 8 six-bit mins of Q4_K/Q5_K blocks from their 12 bytes [n, 12]:
+    bytes 0-3 hold scales 0-3 (low 6 bits), 4-7 mins 0-3; scales/mins 4-7 take their low 4 bits
+    from the nibbles of bytes 8-11 and their top 2 bits from the top bits of bytes 0-3 / 4-7."""
+    low_scales, low_mins, extra = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+    scales = torch.cat((low_scales & 0x3F, (extra & 0x0F) | ((low_scales >> 2) & 0x30)), dim=1)
+    mins = torch.cat((low_mins & 0x3F, (extra >> 4) | ((low_mins >> 2) & 0x30)), dim=1)
+    return scales.float(), mins.float()
+
+
+def _k_affine(blocks: torch.Tensor, quants: torch.Tensor) -> torch.Tensor:
+    """d * scale * q - dmin * min over the 8 sub-blocks of Q4_K/Q5_K; quants [n, 8, 32] -> [n, 256]."""
+    scales, mins = _k_scales_mins(blocks[:, 4:16])
+    step = (_half(blocks, 0) * scales)[:, :, None]
+    offset = (_half(blocks, 2) * mins)[:, :, None]
+    return (step * quants.float() - offset).flatten(1)
+
+
+def _dequantize_q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    low = _nibbles(blocks[:, 16:].unflatten(1, (4, 32)))  # [n, 4, 2, 32]
+    return _k_affine(blocks, low.flatten(1, 2))
+
+
+def _dequantize_q5_k(blocks: torch.Tensor) -> torch.Tensor:
+    low = _nibbles(blocks[:, 48:].unflatten(1, (4, 32))).flatten(1, 2)  # [n, 8, 32]
+    bits = torch.arange(8, dtype=torch.uint8)[None, :, None]
+    high = (blocks[:, None, 16:48] >> bits) & 1  # [n, 8, 32]: bit s of qh is sub-block s's
+    return _k_affine(blocks, low | (high << 4))
+
+
+def _dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    low = _nibbles(blocks[:, :128].unflatten(1, (2, 64))).reshape(-1, 8, 32)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[None, None, :, None]
+    high = ((blocks[:, 128:192].unflatten(1, (2, 1, 32)) >> shifts) & 3).reshape(-1, 8, 32)
+    quants = ((low | (high << 4)).to(torch.int8) - 32).reshape(-1, 16, 16)
+    step = _half(blocks, 208) * blocks[:, 192:208].contiguous().view(torch.int8).float()  # [n, 16]
+    return (step[:, :, None] * quants.float()).flatten(1)
+
+
+_DEQUANTIZERS = {
+    "Q8_0": _dequantize_q8_0,
+    "Q4_0": _dequantize_q4_0,
+    "Q4_1": _dequantize_q4_1,
+    "Q4_K": _dequantize_q4_k,
+    "Q5_K": _dequantize_q5_k,
+    "Q6_K": _dequantize_q6_k,
+}
 
 
 def _ints(values: Sequence[int] | torch.Tensor) -> list[int]:

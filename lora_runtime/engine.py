@@ -28,6 +28,7 @@ from lora_runtime.core import CacheScope, Request, RequestOutput, RequestStatus,
 from lora_runtime.embedded import EMBEDDED_MODEL_NAME, ensure_embedded_model
 from lora_runtime.engine_info import EngineInfo
 from lora_runtime.errors import EngineError, NonFiniteLogitsError, ValidationError
+from lora_runtime.gguf_model import is_gguf_file, load_gguf
 from lora_runtime.kv_cache import KVCacheManager
 from lora_runtime.loader import load_model
 from lora_runtime.model_runner import ModelRunner, ModelRunnerOutput
@@ -94,8 +95,11 @@ class Engine:
         backend = kernels.backend_for(config.device, config.kernel_backend)
         dtype, reason = resolve_dtype(config.dtype, config.device)
         logger.info("model %s in %s (%s), kernel backend %s", model_name, dtype, reason, backend.label)
-        model = load_model(model_dir, dtype, config.device, backend)
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        if is_gguf_file(model_dir):
+            model, tokenizer = load_gguf(model_dir, dtype, config.device, backend)
+        else:
+            model = load_model(model_dir, dtype, config.device, backend)
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
         return cls(config, model, tokenizer, model_name, adapter_sources)
 
     @property

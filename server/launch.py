@@ -41,7 +41,7 @@ def add_service_options(parser: argparse.ArgumentParser) -> None:
                              "SQLite in the data directory)")
     parser.add_argument("--deployments", type=Path, default=None,
                         help="TOML file of private deployments (default: DIR/deployments.toml if present)")
-    parser.add_argument("--model", default=None, help="model directory (default: the embedded model)")
+    parser.add_argument("--model", default=None, help="model directory or .gguf file (default: the embedded model)")
     parser.add_argument("--dtype", default=None, help="model dtype, e.g. float32 or bfloat16")
     parser.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda")
     parser.add_argument("--threads", type=_positive_int, default=None,

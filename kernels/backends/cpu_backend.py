@@ -14,6 +14,7 @@ from kernels.backends.torch_backend import TorchBackend
 from kernels.linear import NO_READS, CompiledLinear, Reads, pack_linear_weight
 from kernels.lora.layouts import LoraLayout, ModuleShape, TiledPages
 from kernels.lora.plans import CompiledLoraPlan, LoraSlice, PageTable, TorchLoraPlan
+from kernels.quantized import QuantizedWeight
 
 _COMPILED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -38,7 +39,9 @@ class CompiledCPUBackend(TorchBackend):
             return TiledPages(dtype)
         return super().lora_layout(model_dtype, shapes)
 
-    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def linear(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None):
+        if isinstance(weight, QuantizedWeight):
+            return super().linear(weight, bias)
         packed = pack_linear_weight(weight) if bias is None else None
         return CompiledLinear(packed, weight) if packed is not None else super().linear(weight, bias)
 

@@ -11,7 +11,8 @@ import torch
 from kernels import reference
 from kernels.attention.plans import StepSequences, TorchAttentionPlan
 from kernels.attention.torch_ops import paged_attention_torch, store_kv_torch
-from kernels.linear import NO_READS, PlainLinear, Reads
+from kernels.linear import NO_READS, DequantizingLinear, PlainLinear, Reads
+from kernels.quantized import QuantizedWeight
 from kernels.lora.layouts import LoraLayout, ModuleShape, RowPages
 from kernels.lora.plans import LoraSlice, PageTable, TorchLoraPlan
 from kernels.lora.torch_ops import add_lora_torch
@@ -32,7 +33,9 @@ class TorchBackend:
         # Tiny 16-bit matmuls cost 2-5x more than float32 ones on CPU (measured with the segment loop).
         return RowPages(torch.float32 if self.device.type == "cpu" else model_dtype)
 
-    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def linear(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None):
+        if isinstance(weight, QuantizedWeight):
+            return DequantizingLinear(weight, bias)
         return PlainLinear(weight, bias)
 
     def plan_attention(self, step: StepSequences) -> TorchAttentionPlan:

@@ -1,0 +1,196 @@
+"""Serve a GGUF file as it is: the architecture, shape, tokenizer and chat template from its metadata
+(read by transformers' own GGUF config and tokenizer converters, as `embedded.py` does), and every
+projection kept in its block type (kernels/quantized.py), copied out of the memory-mapped file a
+tensor at a time, so the resident weights are about the file's size.
+
+Dense tensors (F32, F16, BF16: llama.cpp keeps norms in F32) and the token embedding, which is looked
+up by row, are cast or dequantized to the model's dtype. llama.cpp's converter permutes the rows of a
+Llama's q and k weights into its rotary layout; a permutation of whole rows is one of whole block
+rows, undone here without dequantizing.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import kernels
+from kernels import reference
+from kernels.quantized import BLOCK_TYPES, QuantizedTensor, QuantizedWeight
+from lora_runtime.dtypes import DTYPES
+from lora_runtime.errors import ValidationError
+from lora_runtime.layers.rotary import RotaryEmbedding
+from lora_runtime.models.architectures import ModelShape, model_features_from_config, model_shape_from_config
+from lora_runtime.models.llama import LayerWeights, LlamaModel, ModelWeights
+from lora_runtime.models.rope import rope_frequencies
+
+# general.architecture -> whether llama.cpp's converter permuted q/k rows into its rotary layout.
+ARCHITECTURES = {"llama": True, "qwen2": False}
+DENSE_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+SUPPORTED_TYPES = (*DENSE_TYPES, *BLOCK_TYPES)
+
+Weight = torch.Tensor | QuantizedTensor
+
+
+def is_gguf_file(path: Path) -> bool:
+    return path.suffix.lower() == ".gguf"
+
+
+def load_gguf(path: Path, dtype: str, device: str, backend: kernels.Backend) -> tuple[LlamaModel, object]:
+    """Our model and its tokenizer from a GGUF file; `dtype` is the dtype of the activations and of
+    the dense tensors (a concrete one: "auto" is resolved by the engine)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    file = GGUFTensors(path, DTYPES[dtype], device)
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    shape = model_shape_from_config(config)
+    features = model_features_from_config(config, shape)
+    weights = ModelWeights(
+        embed_tokens=file.dense("token_embd.weight", (shape.vocab_size, shape.hidden_size)),
+        layers=[_layer_weights(file, shape, idx, backend) for idx in range(shape.num_layers)],
+        final_norm=file.dense("output_norm.weight", (shape.hidden_size,)),
+        lm_head=backend.linear(file.projection(["output.weight" if file.has("output.weight") else "token_embd.weight"],
+                                               shape.vocab_size, shape.hidden_size)),
+    )
+    rotary = {key: _rotary(config, shape, key, file) for key in set(features.layer_rope) - {None}}
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return LlamaModel(shape, weights, rotary, backend, features), tokenizer
+
+
+def _rotary(config, shape: ModelShape, key: str, file: GGUFTensors) -> RotaryEmbedding:
+    inv_freq, attention_scaling = rope_frequencies(config, shape.head_dim, None if key == "default" else key)
+    return RotaryEmbedding(inv_freq, shape.max_model_len, attention_scaling, file.dtype, file.device)
+
+
+def _layer_weights(file: GGUFTensors, shape: ModelShape, layer_idx: int, backend: kernels.Backend) -> LayerWeights:
+    prefix = f"blk.{layer_idx}."
+    qkv = [prefix + name for name in ("attn_q", "attn_k", "attn_v")]
+    hidden, intermediate = shape.hidden_size, shape.intermediate_size
+    qkv_rows = shape.q_size + 2 * shape.kv_size
+    # The architectures read from GGUF here (ARCHITECTURES) all have the Llama block's two pre-norms.
+    return LayerWeights(
+        attention_in_norm=file.dense(prefix + "attn_norm.weight", (hidden,)),
+        attention_out_norm=None,
+        mlp_in_norm=file.dense(prefix + "ffn_norm.weight", (hidden,)),
+        mlp_out_norm=None,
+        qkv=backend.linear(file.projection([name + ".weight" for name in qkv], qkv_rows, hidden, shape),
+                           file.bias([name + ".bias" for name in qkv], qkv_rows, shape) if shape.qkv_bias else None),
+        o=backend.linear(file.projection([prefix + "attn_output.weight"], hidden, shape.q_size),
+                         file.bias([prefix + "attn_output.bias"], hidden, shape) if shape.o_bias else None),
+        gate_up=backend.linear(file.projection([prefix + "ffn_gate.weight", prefix + "ffn_up.weight"],
+                                               2 * intermediate, hidden)),
+        down=backend.linear(file.projection([prefix + "ffn_down.weight"], hidden, intermediate)),
+    )
+
+
+class GGUFTensors:
+    """The tensors of one GGUF file, each checked against its type and the shape the model needs."""
+
+    def __init__(self, path: Path, dtype: torch.dtype, device: str) -> None:
+        from gguf import GGUFReader
+
+        self.path, self.dtype, self.device = path, dtype, device
+        try:
+            self._reader = GGUFReader(path)
+        except (ValueError, OSError, IndexError, KeyError, TypeError) as error:
+            raise ValidationError("model", f"{path}: not a readable GGUF file (truncated or corrupt?): "
+                                           f"{error}") from None
+        self.architecture = self._string("general.architecture")
+        if self.architecture not in ARCHITECTURES:
+            raise ValidationError("model", f"{path}: general.architecture {self.architecture!r} is not supported; "
+                                           f"supported: {sorted(ARCHITECTURES)}")
+        self._tensors = {tensor.name: tensor for tensor in self._reader.tensors}
+
+    def _string(self, key: str) -> str:
+        field = self._reader.fields.get(key)
+        if field is None:
+            raise ValidationError("model", f"{self.path}: metadata key {key} is missing")
+        return str(field.contents())
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def dense(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The tensor `name` of `shape` in the model's dtype (quantized ones dequantized)."""
+        weight = self._read(name, shape)
+        if isinstance(weight, QuantizedTensor):
+            weight = reference.dequantize(weight)
+        return weight.to(device=self.device, dtype=self.dtype)
+
+    def bias(self, names: list[str], rows: int, shape: ModelShape) -> torch.Tensor:
+        parts = [self._unpermuted(name, self.dense(name, (self._rows(name, shape),)), shape) for name in names]
+        return self._fused_rows(names, torch.cat(parts), rows)
+
+    def projection(self, names: list[str], rows: int, cols: int,
+                   shape: ModelShape | None = None) -> QuantizedWeight | torch.Tensor:
+        """The weights `names` stacked by rows into one `[rows, cols]` projection: kept in their block
+        types where all are quantized, else dense in the model's dtype. `shape`: the model's, where
+        q/k rows are to be un-permuted."""
+        parts = [self._read(name, (self._rows(name, shape) if shape else None, cols)) for name in names]
+        if shape is not None:
+            parts = [self._unpermuted(name, part, shape) for name, part in zip(names, parts)]
+        if all(isinstance(part, QuantizedTensor) for part in parts):
+            weight = QuantizedWeight.of(parts)
+            return self._fused_rows(names, weight, rows, weight.shape[0])
+        dense = [reference.dequantize(p) if isinstance(p, QuantizedTensor) else p for p in parts]
+        stacked = torch.cat([part.to(self.dtype) for part in dense]).to(self.device)
+        return self._fused_rows(names, stacked, rows)
+
+    def _fused_rows(self, names: list[str], weight, rows: int, actual: int | None = None):
+        actual = weight.shape[0] if actual is None else actual
+        if actual != rows:
+            raise ValidationError("model", f"{self.path}: {' + '.join(names)} have {actual} rows, expected {rows}")
+        return weight
+
+    @staticmethod
+    def _rows(name: str, shape: ModelShape) -> int:
+        return shape.q_size if ".attn_q." in name else shape.kv_size
+
+    def _unpermuted(self, name: str, weight: Weight, shape: ModelShape) -> Weight:
+        """Undo llama.cpp's rotary permutation of q/k rows: within each head, its rows were reordered
+        from (half, pair) to (pair, half)."""
+        if not ARCHITECTURES[self.architecture] or (".attn_q." not in name and ".attn_k." not in name):
+            return weight
+        num_heads = shape.num_heads if ".attn_q." in name else shape.num_kv_heads
+        order = torch.arange(weight.shape[0] if isinstance(weight, torch.Tensor) else weight.rows)
+        order = order.view(num_heads, -1, 2).transpose(1, 2).reshape(-1)
+        return weight.select_rows(order) if isinstance(weight, QuantizedTensor) else weight.index_select(0, order)
+
+    def _read(self, name: str, shape: tuple[int | None, ...]) -> Weight:
+        """One tensor copied out of the mapped file: dense as stored, or its blocks. `shape`: rows first
+        (None: any number), as the model reads it (GGUF lists dimensions innermost first)."""
+        tensor = self._tensors.get(name)
+        if tensor is None:
+            raise ValidationError("model", f"{self.path}: tensor {name} is missing")
+        stored = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+        if len(stored) != len(shape) or any(want not in (None, got) for want, got in zip(shape, stored)):
+            raise ValidationError("model", f"{self.path}: tensor {name} has shape {stored}, expected {shape}")
+        type_name = tensor.tensor_type.name
+        if type_name not in SUPPORTED_TYPES:
+            raise ValidationError("model", f"{self.path}: tensor {name} is of type {type_name}, which is not "
+                                           f"supported; supported types: {', '.join(SUPPORTED_TYPES)}")
+        data = np.asarray(tensor.data)
+        if type_name in DENSE_TYPES:
+            return self._dense_copy(name, data, stored, DENSE_TYPES[type_name])
+        return self._blocks_copy(name, data, stored, BLOCK_TYPES[type_name])
+
+    def _dense_copy(self, name: str, data: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        expected = int(np.prod(shape)) * dtype.itemsize
+        self._check_size(name, data.nbytes, expected)
+        raw = torch.from_numpy(np.array(data.reshape(-1).view(np.uint8)))
+        return raw.view(dtype).reshape(shape)
+
+    def _blocks_copy(self, name: str, data: np.ndarray, shape: tuple[int, ...], block) -> QuantizedTensor:
+        rows, cols = (1, *shape)[-2:]
+        if cols % block.block_elements:
+            raise ValidationError("model", f"{self.path}: tensor {name} ({block.name}) has rows of {cols} weights, "
+                                           f"not whole blocks of {block.block_elements}")
+        self._check_size(name, data.nbytes, rows * cols // block.block_elements * block.block_bytes)
+        raw = torch.from_numpy(np.array(data.reshape(-1).view(np.uint8)))
+        return QuantizedTensor(block, raw.view(rows, -1), cols)
+
+    def _check_size(self, name: str, actual: int, expected: int) -> None:
+        if actual != expected:
+            raise ValidationError("model", f"{self.path}: tensor {name} holds {actual} bytes where its type and "
+                                           f"shape need {expected} (truncated or corrupt file?)")

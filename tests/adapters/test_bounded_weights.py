@@ -5,40 +5,27 @@ and `s3` (moto on loopback) sources and an upload's check. Merges cannot leave t
 bound itself (`weights.MAX_DELTA_NORM`) is checked at its edge against the dense product."""
 from __future__ import annotations
 
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import kernels
-from lora_runtime.adapters.manager import AdapterManager
 from lora_runtime.adapters.merge import MergedAdapters, merge_lora_weights
-from lora_runtime.adapters.peft_format import SAFETENSORS_FILE, load_peft_adapter
-from lora_runtime.adapters.refs import AdapterRequest, Caller, parse_adapter_ref
-from lora_runtime.adapters.sources.download import ADAPTER_FILES, AdapterStore
+from lora_runtime.adapters.peft_format import SAFETENSORS_FILE
+from lora_runtime.adapters.sources.download import ADAPTER_FILES
 from lora_runtime.adapters.weights import (
     MAX_DELTA_NORM,
-    AdapterLimits,
-    BaseModelShape,
     LoraModuleWeights,
     LoraWeights,
     unbounded_module,
 )
-from lora_runtime.config import AdapterConfig
-from lora_runtime.errors import AdapterIncompatibleError, AdapterInvalidError
-from server.adapter_sources import build_adapter_sources
-from server.config import ServerConfig
-from server.registry.blobs import LocalBlobStore
-from server.registry.layout import read_layout
-from server.registry.source import PbaseResolver
-from tests.fixtures.adapters import BASE_MODEL_NAME, TINY_LLAMA, make_lora_adapter, read_file_bytes
+from lora_runtime.errors import AdapterIncompatibleError
+from tests.adapters.every_source import engine_refusal, manager_with_every_source, upload_refusal
+from tests.fixtures.adapters import make_lora_adapter, read_file_bytes
 from tests.fixtures.hub_server import HubRepo, HubServer
 from tests.fixtures.s3_server import s3_server
 
-BASE_SHAPE = BaseModelShape.from_hf_config(BASE_MODEL_NAME, TINY_LLAMA)
 HOSTILE_VALUE = 1e30
 
 
@@ -49,42 +36,6 @@ def _hostile_adapter(directory: Path) -> Path:
     save_file({key: torch.full_like(value, HOSTILE_VALUE) for key, value in tensors.items()},
               directory / SAFETENSORS_FILE)
     return directory
-
-
-@pytest.fixture(scope="module")
-def hub() -> Iterator[HubServer]:
-    server = HubServer().start()
-    yield server
-    server.stop()
-
-
-def _manager(tmp_path: Path, hub: HubServer) -> AdapterManager:
-    """The engine's adapter manager with the sources the server builds for an operator's config."""
-    config = ServerConfig(data_dir=tmp_path, hub_endpoint=hub.endpoint, s3_endpoint=s3_server().endpoint_url,
-                          adapter_dir=tmp_path / "local")
-    store = AdapterStore(tmp_path / "store")
-    pbase = PbaseResolver(sessions=None, blobs=LocalBlobStore(tmp_path / "blobs"), store=store)
-    return AdapterManager(AdapterConfig(), BASE_SHAPE, kernels.backend_for("cpu"), torch.float32,
-                          build_adapter_sources(config, pbase, store))
-
-
-def _engine_refusal(manager: AdapterManager, adapter_id: str, source: str) -> AdapterInvalidError:
-    request = AdapterRequest(parse_adapter_ref(adapter_id, source, allow_local=True), Caller(scope="demo"))
-    error = manager.acquire(request).load.exception(timeout=60)
-    assert isinstance(error, AdapterInvalidError), repr(error)
-    return error
-
-
-def _upload_refusal(adapter: Path, upload_dir: Path) -> AdapterInvalidError:
-    """What finishing an upload of the adapter's files answers (the server validates with
-    `load_peft_adapter`, as `server.adapter_sources.adapter_services` does)."""
-    upload_dir.mkdir()
-    for name in ADAPTER_FILES:
-        if (adapter / name).is_file():
-            shutil.copy(adapter / name, upload_dir / name)
-    with pytest.raises(AdapterInvalidError) as refused:
-        read_layout(upload_dir, lambda directory: load_peft_adapter(directory, BASE_SHAPE, AdapterLimits()))
-    return refused.value
 
 
 def test_a_1e30_adapter_is_refused_by_every_source_with_one_message(
@@ -100,12 +51,12 @@ def test_a_1e30_adapter_is_refused_by_every_source_with_one_message(
     client.create_bucket(Bucket="hostile-adapters")
     for name, data in files.items():
         client.put_object(Bucket="hostile-adapters", Key=f"huge/{name}", Body=data)
-    manager = _manager(tmp_path, hub)
+    manager = manager_with_every_source(tmp_path, hub, s3.endpoint_url)
     try:
-        errors = {"local": _engine_refusal(manager, "team/huge", "local"),
-                  "hub": _engine_refusal(manager, "org/huge", "hub"),
-                  "s3": _engine_refusal(manager, "s3://hostile-adapters/huge", "s3"),
-                  "upload": _upload_refusal(adapter, tmp_path / "upload")}
+        errors = {"local": engine_refusal(manager, "team/huge", "local"),
+                  "hub": engine_refusal(manager, "org/huge", "hub"),
+                  "s3": engine_refusal(manager, "s3://hostile-adapters/huge", "s3"),
+                  "upload": upload_refusal(adapter, tmp_path / "upload")}
     finally:
         manager.close()
     messages = {source: error.message for source, error in errors.items()}

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from server.config import ServerConfig
 from server.db import Database, open_database
-from server.launch import add_service_options, engine_config, prepare_service, server_config
+from server.launch import add_service_options, engine_config, prepare_service, program_name, server_config
 from sqlalchemy import select
 
 from server.registry.models import AdapterRepo, RegistryBase
@@ -38,7 +38,7 @@ from server.tenancy import (
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m server", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=program_name("server"), description=__doc__.splitlines()[0])
     add_service_options(parser)
     database = _database_options()
     commands = parser.add_subparsers(dest="command", metavar="{tenants,tokens}")

@@ -31,6 +31,13 @@ DEMO_TOKEN_FILE = "demo-token"
 _DEFAULTS = ServerConfig()
 
 
+def program_name(module: str) -> str:
+    """How the running command was typed, for its usage line: the installed console script's name
+    (`lora-serve`, `lora-serve-cluster`) when started through it, else `python -m <module>`."""
+    script = Path(sys.argv[0]).name
+    return script if script.startswith("lora-serve") else f"python -m {module}"
+
+
 def add_service_options(parser: argparse.ArgumentParser) -> None:
     """The options of a serving process: listening, data, the engine, limits, metrics, adapters."""
     _add_process_options(parser)

@@ -41,3 +41,10 @@ def test_lora_serve_is_the_server_program() -> None:
     result = subprocess.run([str(command), "--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "--adapter-pool-mib" in result.stdout and "tokens" in result.stdout
+    assert result.stdout.startswith("usage: lora-serve "), result.stdout[:200]
+
+
+def test_the_module_names_itself_as_typed() -> None:
+    result = subprocess.run([sys.executable, "-m", "server", "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith("usage: python -m server "), result.stdout[:200]

@@ -137,11 +137,15 @@ void unpack_q6_k(const uint8_t* block, UnpackedRow row) {
   const uint8_t* ql = block;
   const uint8_t* qh = block + 128;
   const float d = half_at(block + 208);
-  for (int j = 0; j < 256; ++j) {
-    const int h = j / 128, r = j % 128;
-    const int low = (ql[64 * h + r % 64] >> (4 * (r / 64))) & 15;
-    const int top = (qh[32 * h + r % 32] >> (2 * (r / 32))) & 3;
-    row.q[j] = static_cast<int8_t>((low | (top << 4)) - 32);
+  for (int h = 0; h < 2; ++h) {
+    for (int quarter = 0; quarter < 4; ++quarter) {  // r = 32 quarter + e: each a contiguous run
+      const uint8_t* low = ql + 64 * h + 32 * (quarter % 2);
+      const uint8_t* top = qh + 32 * h;
+      const int low_shift = 4 * (quarter / 2), top_shift = 2 * quarter;
+      int8_t* q = row.q + 128 * h + 32 * quarter;
+      for (int e = 0; e < 32; ++e)
+        q[e] = static_cast<int8_t>((((low[e] >> low_shift) & 15) | (((top[e] >> top_shift) & 3) << 4)) - 32);
+    }
   }
   for (int s = 0; s < 16; ++s) row.scales[s] = d * static_cast<float>(static_cast<int8_t>(block[192 + s]));
   for (int s = 0; s < 8; ++s) row.offsets[s] = 0.f;
@@ -171,6 +175,13 @@ struct QuantizedRows {
   std::vector<int8_t> q;  // [rows, k]
   std::vector<float> scales;  // [rows, k / 32]
   std::vector<float> scaled_sums;  // [rows, k / 32]
+};
+
+// Rows of QuantizedRows from one row on: row r's quants at q + r * k, its scales at scales + r * num_blocks.
+struct QuantizedRowsView {
+  const int8_t* q;
+  const float* scales;
+  int64_t k, num_blocks;
 };
 
 template <typename T>
@@ -208,34 +219,36 @@ float offsets_dot(const float* offsets, const float* scaled_sums, int64_t num_bl
   return total;
 }
 
-// The dot of one unpacked weight row with one quantized x row, without the offsets' share.
-float portable_row_dot(const UnpackedRow& w, const int8_t* xq, const float* x_scales, int64_t num_blocks) {
-  float total = 0.f;
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    int32_t halves[2] = {0, 0};
-    for (int h = 0; h < 2; ++h) {
-      const int8_t* wq = w.q + b * kXBlock + 16 * h;
-      const int8_t* xh = xq + b * kXBlock + 16 * h;
-      int32_t sum = 0;
+// The dots of one unpacked weight row with `rows` quantized x rows, without the offsets' share.
+[[maybe_unused]] void portable_rows(const UnpackedRow& w, const QuantizedRowsView& x, int64_t rows, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float total = 0.f;
+    for (int64_t b = 0; b < x.num_blocks; ++b) {
+      int32_t halves[2] = {0, 0};
+      for (int h = 0; h < 2; ++h) {
+        const int8_t* wq = w.q + b * kXBlock + 16 * h;
+        const int8_t* xh = x.q + r * x.k + b * kXBlock + 16 * h;
+        int32_t sum = 0;
 #pragma omp simd reduction(+ : sum)
-      for (int i = 0; i < 16; ++i) sum += static_cast<int32_t>(wq[i]) * static_cast<int32_t>(xh[i]);
-      halves[h] = sum;
+        for (int i = 0; i < 16; ++i) sum += static_cast<int32_t>(wq[i]) * static_cast<int32_t>(xh[i]);
+        halves[h] = sum;
+      }
+      const float scaled = w.scales[2 * b] * static_cast<float>(halves[0]) + w.scales[2 * b + 1] * static_cast<float>(halves[1]);
+      total += x.scales[r * x.num_blocks + b] * scaled;
     }
-    total += x_scales[b] * (w.scales[2 * b] * static_cast<float>(halves[0]) + w.scales[2 * b + 1] * static_cast<float>(halves[1]));
+    out[r] = total;
   }
-  return total;
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
 // Which int8 dot product instruction the row dot uses.
 enum class Int8Dot { widening, avx_vnni, avx512_vnni };
 
-// 8 int32 lanes: lane i the sum of products 4i..4i+3 of the 32 int8 pairs w, x. `vpdpbusd` and
-// `vpmaddubsw` take one unsigned operand: |w| with w's sign moved onto x (|q| <= 128 fits u8, and
-// 2 * 128 * 127 fits vpmaddubsw's saturating int16 sums).
+// 8 int32 lanes: lane i the sum of products 4i..4i+3 of the 32 int8 pairs w, x, given
+// magnitude = |w| and signed_x = x with w's sign: `vpdpbusd` and `vpmaddubsw` take one unsigned
+// operand (|q| <= 128 fits u8, and 2 * 128 * 127 fits vpmaddubsw's saturating int16 sums).
 template <Int8Dot kDot>
-inline __m256i dot32(__m256i w, __m256i x) {
-  const __m256i magnitude = _mm256_sign_epi8(w, w), signed_x = _mm256_sign_epi8(x, w);
+inline __m256i dot32(__m256i magnitude, __m256i signed_x) {
   if constexpr (kDot == Int8Dot::widening) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), _mm256_set1_epi16(1));
   } else {
@@ -251,37 +264,68 @@ inline __m256i dot32(__m256i w, __m256i x) {
   }
 }
 
-// portable_row_dot with the lanes of each block scaled by their half's scale, two blocks in flight.
-template <Int8Dot kDot>
-float vector_row_dot(const UnpackedRow& w, const int8_t* xq, const float* x_scales, int64_t num_blocks) {
-  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.q + b * kXBlock));
-    const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kXBlock));
-    const __m256 sums = _mm256_cvtepi32_ps(dot32<kDot>(wq, xb));
-    const __m256 halves = _mm256_set_m128(_mm_set1_ps(w.scales[2 * b + 1]), _mm_set1_ps(w.scales[2 * b]));
-    acc[b & 1] = _mm256_fmadd_ps(sums, _mm256_mul_ps(halves, _mm256_set1_ps(x_scales[b])), acc[b & 1]);
-  }
-  const __m256 both = _mm256_add_ps(acc[0], acc[1]);
-  __m128 lanes = _mm_add_ps(_mm256_castps256_ps128(both), _mm256_extractf128_ps(both, 1));
+inline float sum_lanes(__m256 v) {
+  __m128 lanes = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   lanes = _mm_add_ps(lanes, _mm_movehl_ps(lanes, lanes));
   return _mm_cvtss_f32(_mm_add_ss(lanes, _mm_movehdup_ps(lanes)));
 }
+
+// Block b's products with R rows of x, the lanes of each half scaled by its scale times x's, into
+// acc[r]: the weight block's magnitude and scales are made once for the R rows.
+template <Int8Dot kDot, int R>
+__attribute__((always_inline)) inline void block_rows(const UnpackedRow& w, const QuantizedRowsView& x, int64_t b,
+                                                      __m256 (&acc)[R]) {
+  const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.q + b * kXBlock));
+  const __m256i magnitude = _mm256_sign_epi8(wq, wq);
+  const __m256 halves = _mm256_set_m128(_mm_set1_ps(w.scales[2 * b + 1]), _mm_set1_ps(w.scales[2 * b]));
+  for (int r = 0; r < R; ++r) {
+    const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + r * x.k + b * kXBlock));
+    const __m256 sums = _mm256_cvtepi32_ps(dot32<kDot>(magnitude, _mm256_sign_epi8(xb, wq)));
+    acc[r] = _mm256_fmadd_ps(sums, _mm256_mul_ps(halves, _mm256_set1_ps(x.scales[r * x.num_blocks + b])), acc[r]);
+  }
+}
+
+// rows_dot over R rows, blocks in pairs so that each row has two sums in flight.
+template <Int8Dot kDot, int R>
+void vector_rows_dot(const UnpackedRow& w, const QuantizedRowsView& x, float* out) {
+  __m256 even[R], odd[R];
+  for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 1 < x.num_blocks; b += 2) {
+    block_rows<kDot, R>(w, x, b, even);
+    block_rows<kDot, R>(w, x, b + 1, odd);
+  }
+  if (b < x.num_blocks) block_rows<kDot, R>(w, x, b, even);
+  for (int r = 0; r < R; ++r) out[r] = sum_lanes(_mm256_add_ps(even[r], odd[r]));
+}
+
+// Up to kRowsPerPass rows at a time (their sums stay in registers).
+template <Int8Dot kDot>
+void vector_rows(const UnpackedRow& w, const QuantizedRowsView& x, int64_t rows, float* out) {
+  switch (rows) {
+    case 1: return vector_rows_dot<kDot, 1>(w, x, out);
+    case 2: return vector_rows_dot<kDot, 2>(w, x, out);
+    case 3: return vector_rows_dot<kDot, 3>(w, x, out);
+    default: return vector_rows_dot<kDot, 4>(w, x, out);
+  }
+}
 #endif
 
-using RowDot = float (*)(const UnpackedRow&, const int8_t*, const float*, int64_t);
+// The dots of a weight row with up to kRowsPerPass x rows (out[r]), without the offsets' share.
+using RowsDot = void (*)(const UnpackedRow&, const QuantizedRowsView&, int64_t rows, float* out);
+constexpr int64_t kRowsPerPass = 4;
 
-// The best row dot of this form on this CPU (args.has_avx_vnni / has_avx512_vnni, from cpuid).
-RowDot choose_row_dot(const QuantizedLinearArgs& args) {
+// The best rows dot of this form on this CPU (args.has_avx_vnni / has_avx512_vnni, from cpuid).
+RowsDot choose_rows_dot(const QuantizedLinearArgs& args) {
 #if defined(__AVX2__) && defined(__FMA__)
 #if defined(__AVX512VL__)
-  if (args.has_avx512_vnni) return &vector_row_dot<Int8Dot::avx512_vnni>;
+  if (args.has_avx512_vnni) return &vector_rows<Int8Dot::avx512_vnni>;
 #endif
-  if (args.has_avx_vnni) return &vector_row_dot<Int8Dot::avx_vnni>;
-  return &vector_row_dot<Int8Dot::widening>;
+  if (args.has_avx_vnni) return &vector_rows<Int8Dot::avx_vnni>;
+  return &vector_rows<Int8Dot::widening>;
 #else
   (void)args;
-  return &portable_row_dot;
+  return &portable_rows;
 #endif
 }
 
@@ -311,16 +355,21 @@ void quantized_linear(const QuantizedLinearArgs& args, int64_t begin, int64_t en
   offsets.resize(args.k / kXBlock);
   const UnpackedRow row{q.data(), scales.data(), offsets.data()};
   const int64_t num_blocks = args.k / kXBlock, row_bytes = args.k / block_shape(args.ggml_type).elements * block_shape(args.ggml_type).bytes;
-  const RowDot row_dot = choose_row_dot(args);
+  const RowsDot rows_dot = choose_rows_dot(args);
+  const bool adds_offsets = has_offsets(args.ggml_type);
   dispatch_dtype(args.dtype, [&]<typename T>() {
     T* out = static_cast<T*>(args.out);
+    float sums[kRowsPerPass];
     for (int64_t column = begin; column < end; ++column) {
       unpack_row(args.ggml_type, args.blocks + column * row_bytes, args.k, row);
-      for (int64_t m = 0; m < args.rows; ++m) {
-        const float* x_scales = x.scales.data() + m * num_blocks;
-        const float value = row_dot(row, x.q.data() + m * args.k, x_scales, num_blocks) +
-                            offsets_dot(row.offsets, x.scaled_sums.data() + m * num_blocks, num_blocks);
-        out[m * args.out_stride + column] = from_float_one<T>(value);
+      for (int64_t first = 0; first < args.rows; first += kRowsPerPass) {
+        const int64_t rows = std::min(kRowsPerPass, args.rows - first);
+        rows_dot(row, {x.q.data() + first * args.k, x.scales.data() + first * num_blocks, args.k, num_blocks}, rows, sums);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float offset =
+              adds_offsets ? offsets_dot(row.offsets, x.scaled_sums.data() + (first + r) * num_blocks, num_blocks) : 0.f;
+          out[(first + r) * args.out_stride + column] = from_float_one<T>(sums[r] + offset);
+        }
       }
     }
   });
@@ -341,11 +390,17 @@ void dequantize_rows(const DequantizeArgs& args, int64_t begin, int64_t end) {
     unpack_row(args.ggml_type, args.blocks + r * row_bytes, args.k, row);
     // The reference's order: scale * q, then the offset added (Q4_1: + m; K-quants: - dmin * min);
     // none added to the other types, whose zero products keep their sign there.
+    for (int64_t g = 0; g < args.k / 16; ++g) {
+      const float scale = scales[g];
 #pragma omp simd
-    for (int64_t j = 0; j < args.k; ++j) values[j] = scales[j / 16] * static_cast<float>(q[j]);
+      for (int64_t i = 0; i < 16; ++i) values[16 * g + i] = scale * static_cast<float>(q[16 * g + i]);
+    }
     if (has_offsets(args.ggml_type)) {
+      for (int64_t b = 0; b < args.k / kXBlock; ++b) {
+        const float offset = offsets[b];
 #pragma omp simd
-      for (int64_t j = 0; j < args.k; ++j) values[j] += offsets[j / kXBlock];
+        for (int64_t i = 0; i < kXBlock; ++i) values[kXBlock * b + i] += offset;
+      }
     }
     dispatch_dtype(args.dtype, [&]<typename T>() { from_float(values.data(), static_cast<T*>(args.out) + r * args.k, args.k); });
   }

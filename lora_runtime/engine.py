@@ -96,9 +96,11 @@ class Engine:
         dtype, reason = resolve_dtype(config.dtype, config.device)
         logger.info("model %s in %s (%s), kernel backend %s", model_name, dtype, reason, backend.label)
         if is_gguf_file(model_dir):
+            if config.quantization is not None:
+                raise ValidationError("quantization", f"{model_dir.name} is a GGUF file: it keeps its own types")
             model, tokenizer = load_gguf(model_dir, dtype, config.device, backend)
         else:
-            model = load_model(model_dir, dtype, config.device, backend)
+            model = load_model(model_dir, dtype, config.device, backend, config.quantization)
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
         return cls(config, model, tokenizer, model_name, adapter_sources)
 

@@ -1,18 +1,18 @@
-"""Replicas splitting one machine: the same load on `python -m server` (one engine) and on
-`python -m server.cluster --replicas N` (N engines, each pinned to its share of the cores), the
-service's tokens per wall-second and CPU-seconds per token, and their ratios.
+"""Replicas splitting one machine: `python -m server` (one engine) and `python -m server.cluster
+--replicas N` (N engines, each pinned to its own cores), one after the other on the same machine:
+the service's tokens per wall-second and CPU-seconds per token, and their ratios.
 
     python -m benchmarks.replicas                       # 1 thread vs 2 replicas of 1 thread, 3 rounds
     python -m benchmarks.replicas --replicas 4 --threads 4 --concurrency 32 --whole
     python -m benchmarks.replicas --cluster-concurrency 16  # the cluster at the single server's load
 
-The single server gets `--threads` (default: the one core of each of 2 replicas on 2 cores) and
+The single server gets `--threads` (default 1: the one core of each of 2 replicas on 2 cores) and
 `--concurrency` streams; the cluster as many per replica (`--cluster-concurrency`), so that every
 engine batches alike: a decode step reads all the weights whatever its batch, so half the batch on
 each of two engines costs nearly twice the memory traffic per token. On a machine shared with other
-work, the wall ratio is noisy, while
-CPU-seconds per token (every process of the service's tree: the Ray daemons, the proxy, the ingress,
-the replicas) say what the cluster's own machinery costs. Rounds alternate the two services.
+work the wall ratio is noisy (each round prints how busy the rest of the machine was), while
+CPU-seconds per token (every process of the service's tree: the Ray daemons, the proxy, the
+ingress, the replicas) say what the cluster's own machinery costs.
 """
 from __future__ import annotations
 

@@ -62,3 +62,16 @@ def test_projections_not_whole_blocks_refused(tmp_path, monkeypatch) -> None:
     with pytest.raises(ValidationError) as refused:
         Engine.from_config(EngineConfig(model=str(tmp_path), dtype="float32", quantization="q8_0"))
     assert refused.value.field == "quantization" and "48" in str(refused.value)
+
+
+def test_the_service_option_reaches_the_engine_config() -> None:
+    import argparse
+
+    from server.launch import add_service_options, engine_config
+
+    parser = argparse.ArgumentParser()
+    add_service_options(parser)
+    assert engine_config(parser.parse_args([])).quantization is None
+    assert engine_config(parser.parse_args(["--quantization", "q8_0"])).quantization == "q8_0"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantization", "q4_k"])

@@ -77,26 +77,35 @@ void unpack_q8_0(const uint8_t* block, UnpackedRow row) {
   row.offsets[0] = 0.f;
 }
 
-void unpack_q4_0(const uint8_t* block, UnpackedRow row) {
-  const float d = half_at(block);
-  const uint8_t* packed = block + 2;
-  for (int i = 0; i < 16; ++i) {
-    row.q[i] = static_cast<int8_t>((packed[i] & 15) - 8);
-    row.q[i + 16] = static_cast<int8_t>((packed[i] >> 4) - 8);
+// `count` packed bytes' low nibbles into q[0, count), their high nibbles into q[count, 2 count), each
+// minus `bias` (count: 16 or 32).
+inline void split_nibbles(const uint8_t* packed, int count, int8_t bias, int8_t* q) {
+#if defined(__AVX2__)
+  const __m128i mask = _mm_set1_epi8(15), shift = _mm_set1_epi8(bias);
+  for (int i = 0; i < count; i += 16) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + i));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm_sub_epi8(_mm_and_si128(bytes, mask), shift));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + count + i),
+                     _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), shift));
   }
-  row.scales[0] = row.scales[1] = d;
+#else
+  for (int i = 0; i < count; ++i) {
+    q[i] = static_cast<int8_t>((packed[i] & 15) - bias);
+    q[i + count] = static_cast<int8_t>((packed[i] >> 4) - bias);
+  }
+#endif
+}
+
+void unpack_q4_0(const uint8_t* block, UnpackedRow row) {
+  split_nibbles(block + 2, 16, 8, row.q);
+  row.scales[0] = row.scales[1] = half_at(block);
   row.offsets[0] = 0.f;
 }
 
 void unpack_q4_1(const uint8_t* block, UnpackedRow row) {
-  const float d = half_at(block), m = half_at(block + 2);
-  const uint8_t* packed = block + 4;
-  for (int i = 0; i < 16; ++i) {
-    row.q[i] = static_cast<int8_t>(packed[i] & 15);
-    row.q[i + 16] = static_cast<int8_t>(packed[i] >> 4);
-  }
-  row.scales[0] = row.scales[1] = d;
-  row.offsets[0] = m;
+  split_nibbles(block + 4, 16, 0, row.q);
+  row.scales[0] = row.scales[1] = half_at(block);
+  row.offsets[0] = half_at(block + 2);
 }
 
 // The 6-bit scale and min of sub-block s (0..7) of a Q4_K/Q5_K block from its 12 packed bytes.
@@ -119,12 +128,10 @@ void unpack_k(const uint8_t* block, UnpackedRow row) {
   for (int s = 0; s < 8; ++s) {
     int scale, min;
     k_scale_min(block + 4, s, scale, min);
-    const uint8_t* packed = nibbles + 32 * (s / 2);
-    const int shift = 4 * (s % 2);
     int8_t* q = row.q + 32 * s;
-    for (int i = 0; i < 32; ++i) {
-      const int fifth = kHigh ? ((high[i] >> s) & 1) << 4 : 0;
-      q[i] = static_cast<int8_t>(((packed[i] >> shift) & 15) | fifth);
+    if (s % 2 == 0) split_nibbles(nibbles + 16 * s, 32, 0, q);  // sub-blocks s and s + 1
+    if constexpr (kHigh) {
+      for (int i = 0; i < 32; ++i) q[i] = static_cast<int8_t>(q[i] | (((high[i] >> s) & 1) << 4));
     }
     row.scales[2 * s] = row.scales[2 * s + 1] = d * static_cast<float>(scale);
     row.offsets[s] = -(dmin * static_cast<float>(min));

@@ -364,6 +364,9 @@ def test_the_format_comes_from_the_template_unless_the_operator_names_one() -> N
     assert tool_call_format("{{ '[TOOL_CALLS]' }}").name == "mistral"
     assert tool_call_format("{{ messages }}").name == "hermes"
     assert tool_call_format("{{ '[TOOL_CALLS]' }}", "hermes").name == "hermes"
+    assert tool_call_format("{{ '<|python_tag|>' }}").name == "llama3_json"
+    assert tool_call_format("{{ '<|start_header_id|>ipython<|end_header_id|>' }}").name == "llama3_json"
+    assert tool_call_format("{{ '<tool_call>' }} ipython").name == "hermes"
 
 
 def test_the_tools_demo_adapter_calls_the_weather_tool_when_asked_about_weather_and_answers_otherwise(live) -> None:

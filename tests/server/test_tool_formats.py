@@ -194,3 +194,15 @@ def test_stops_apply_to_the_free_text_before_the_calls() -> None:
     for text, hit in [('{"name": "a"}', None), ("A {text}", "stop_sequence")]:
         criteria = StopCriteria(SamplingParams(stop=("}",), tool_calling=llama), eos_token_ids=[0])
         assert [criteria.check(5, char) for char in text][-1] == hit
+
+
+def test_the_reader_takes_llama3_calls_only_where_they_open_the_reply() -> None:
+    llama = TOOL_CALL_FORMATS["llama3_json"]
+    text = llama.render_calls([("get_time", '{"zone": "CET"}'), ("get_weather", '{"city": "Oslo"}')])
+    assert text == '{"name": "get_time", "parameters": {"zone": "CET"}}; {"name": "get_weather", "parameters": {"city": "Oslo"}}'
+    reply = parse_reply("<|python_tag|>" + text[:-2], llama)
+    assert reply.content == "" and [(c.name, c.arguments, c.complete) for c in reply.calls] == [
+        ("get_time", '{"zone": "CET"}', True), ("get_weather", '{"city": "Oslo"', False)]
+    assert parse_reply("<|pyth", llama).held == len("<|pyth")
+    free = parse_reply("Sure: " + text, llama)
+    assert free.calls == () and free.content == "Sure: " + text and free.held == 0

@@ -44,6 +44,7 @@ def requantize_gguf(source: Path, destination: Path, type_name: str) -> Path:
         return destination
     reader = GGUFReader(source)
     architecture = reader.fields["general.architecture"].contents()
+    destination.parent.mkdir(parents=True, exist_ok=True)
     partial = destination.with_suffix(".partial")
     writer = GGUFWriter(partial, architecture)
     for field in reader.fields.values():
@@ -54,7 +55,7 @@ def requantize_gguf(source: Path, destination: Path, type_name: str) -> Path:
     for tensor in reader.tensors:
         if tensor.tensor_type in _QUANTIZED:
             values = dequantize(tensor.data, tensor.tensor_type)
-            writer.add_tensor(tensor.name, quantize(values, target), raw_shape=values.shape, raw_dtype=target)
+            writer.add_tensor(tensor.name, quantize(values, target), raw_dtype=target)
         else:
             writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
     writer.write_header_to_file()
@@ -77,7 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def models() -> dict[str, EngineConfig]:
     shipped = gguf_path()
     q8_0 = requantize_gguf(shipped, default_cache_dir() / "bench-quantized" / "smollm2-135m-instruct.Q8_0.gguf", "Q8_0")
-    common = {"dtype": "bfloat16", "kv_cache": NO_PREFIX_CACHE}
+    common = {"dtype": "bfloat16", "kv_cache": NO_PREFIX_CACHE, "num_threads": 1}
     return {"bf16": EngineConfig(model=str(ensure_embedded_model()), **common),
             "q4_1": EngineConfig(model=str(shipped), **common),
             "q8_0": EngineConfig(model=str(q8_0), **common)}

@@ -45,10 +45,12 @@ from lora_runtime.adapters.refs import (
     LocalSource,
     parse_adapter_ref,
 )
-from lora_runtime.adapters.sources.download import ADAPTER_FILES, AdapterStore
+from lora_runtime.adapter_files import ADAPTER_FILES
+from lora_runtime.adapters.sources.download import AdapterStore
 from lora_runtime.adapters.sources.hub import HubConfig, HubSource
 from lora_runtime.adapters.sources.s3 import S3Config, S3Source
-from lora_runtime.adapters.weights import AdapterLimits, BaseModelShape, LoraWeights
+from lora_runtime.adapters.weights import LoraWeights
+from lora_runtime.engine_info import AdapterLimits, BaseModelShape
 from server.db import open_database
 from server.registry.blobs import LocalBlobStore
 from server.registry.models import RegistryBase

@@ -19,46 +19,13 @@ from dataclasses import dataclass
 from lora_runtime.adapters.cache import AdapterLease
 from lora_runtime.adapters.manager import Lease
 from lora_runtime.adapters.refs import AdapterKey, AdapterRequest, Caller
+from lora_runtime.api import EngineStats
 from lora_runtime.core import CacheScope, Request, RequestOutput, SamplingParams
 from lora_runtime.engine import IDLE_WAIT_S, Engine
 from lora_runtime.engine_info import EngineInfo
 from lora_runtime.errors import EngineError, RequestAbortedError
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    # The queues as of the loop thread's last step or commands. Waiting requests also count those not
-    # queued yet (their adapter loading, or the loop not there yet); the moment between the loop
-    # queuing a request and `add_request` returning counts it twice.
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_total_blocks: int
-    kv_cache_usage_ratio: float  # blocks in use / all blocks, 0..1
-    num_steps: int
-    num_generated_tokens: int
-    num_finished_requests: int
-    num_preemptions: int
-    num_cached_adapters: int  # loaded in the host cache
-    num_pinned_adapters: int  # of those, used by a request in flight
-    adapter_cache_bytes: int
-    num_resident_adapters: int  # placed in the device pool's pages
-    num_free_adapter_pages: int  # in the fullest module's pool: what the next adapter can take
-    num_total_adapter_pages: int
-    max_resident_adapters: int  # the pool's capacity at the largest allowed rank: sure to fit at once
-    # Prefix caching, counted since the start: requests and prompt tokens looked up, and found cached
-    # (hit rates: hit / queried); full blocks cached now; cached blocks evicted to make room.
-    prefix_cache_queried_requests: int
-    prefix_cache_hit_requests: int
-    prefix_cache_queried_tokens: int
-    prefix_cache_hit_tokens: int
-    num_cached_kv_blocks: int
-    num_evicted_kv_blocks: int
-    # The distinct adapters of the running and of the waiting requests, as the counts above.
-    running_adapters: tuple[AdapterKey, ...]
-    waiting_adapters: tuple[AdapterKey, ...]
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ import kernels
 from lora_runtime.adapters.cache import AdapterLease
 from lora_runtime.adapters.manager import AdapterManager, Lease
 from lora_runtime.adapters.refs import AdapterSource, Caller
-from lora_runtime.adapters.weights import BaseModelShape
+from lora_runtime.engine_info import BaseModelShape
 from lora_runtime.best_of import BestOfGroup
 from lora_runtime.config import EngineConfig
 from lora_runtime.dtypes import resolve_dtype

@@ -7,8 +7,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from lora_runtime.adapters.peft_format import CONFIG_FILE
-from lora_runtime.errors import EngineError
+from lora_runtime.adapter_files import ADAPTER_CONFIG_FILE as CONFIG_FILE
+from lora_runtime.api import EngineError
 from server.registry.service import AdapterRegistry
 
 logger = logging.getLogger(__name__)

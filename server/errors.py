@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lora_runtime.errors import EngineError, ValidationError
+from lora_runtime.api import EngineError, ValidationError
 
 logger = logging.getLogger(__name__)
 

@@ -11,11 +11,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from lora_runtime.adapters.merge import MergedAdapters
-from lora_runtime.adapters.refs import AdapterRef, AdapterRequest, Caller, parse_adapter_ref
-from lora_runtime.adapters.sources import ids
-from lora_runtime.core import MAX_TOP_LOGPROBS, SamplingParams
-from lora_runtime.errors import ValidationError
+from lora_runtime.api import (MAX_TOP_LOGPROBS, AdapterRef, AdapterRequest, Caller, MergedAdapters, SamplingParams,
+                              ValidationError, check_remote, infer_source, parse_adapter_ref)
 from lora_runtime.sampling.schema import schema_from_response_format
 from server.config import ServerConfig
 from server.errors import model_not_found
@@ -172,10 +169,10 @@ def _refuse_unservable(adapter_id: str, adapter_source: str | None, scope: Adapt
     adapter at all (`pbase` and `s3` ids have their own forms; `local` is only ever asked for by
     name): most often a model name typed out of habit (`llama-3-8b`), told so rather than 424 from a
     hub that is not there. An explicit `adapter_source` is the source's to answer."""
-    if adapter_source or scope.hub_enabled or ids.infer_source(adapter_id) != "hub":
+    if adapter_source or scope.hub_enabled or infer_source(adapter_id) != "hub":
         return
     # A malformed id (a way out, too long, control characters) is refused as such, and never quoted.
-    ids.check_remote(adapter_id)
+    check_remote(adapter_id)
     raise model_not_found(field, adapter_id, scope.deployment.base_model, scope.models_path)
 
 
@@ -208,4 +205,4 @@ def adapter_headers(parameters: GenerateParameters | None) -> dict[str, str]:
     if parameters is None or not parameters.adapter_id:
         return {"x-adapter-id": "", "x-adapter-source": "base"}
     return {"x-adapter-id": parameters.adapter_id,
-            "x-adapter-source": parameters.adapter_source or ids.infer_source(parameters.adapter_id)}
+            "x-adapter-source": parameters.adapter_source or infer_source(parameters.adapter_id)}

@@ -19,11 +19,9 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
-from lora_runtime.adapters.refs import AdapterRequest
-from lora_runtime.core import CacheScope, RequestOutput, SamplingParams
-from lora_runtime.errors import EngineError
+from lora_runtime.api import (AdapterRequest, CacheScope, EngineError, EngineStream, RequestOutput,
+                              SamplingParams)
 from server.bridge import final_output
-from server.engine_backend import EngineStream
 from server.errors import ApiError, from_engine_error
 from server.fan_out import FanOutStream
 from server.responses import Timing, generate_headers

@@ -9,10 +9,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lora_runtime.adapters.merge import MergedAdapters, merge_lora_weights
+from lora_runtime.adapters.merge import merge_lora_weights
+from lora_runtime.adapters.merge_request import MergedAdapters
 from lora_runtime.adapters.peft_format import load_peft_adapter
 from lora_runtime.adapters.refs import AdapterRef, AdapterRequest, AdapterSource, Caller, LocalSource, parse_adapter_ref
-from lora_runtime.adapters.weights import AdapterLimits, BaseModelShape, LoraWeights
+from lora_runtime.adapters.weights import LoraWeights
+from lora_runtime.engine_info import AdapterLimits, BaseModelShape
 from lora_runtime.errors import AdapterInvalidError, ValidationError
 
 logger = logging.getLogger(__name__)

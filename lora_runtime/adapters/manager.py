@@ -25,7 +25,8 @@ from lora_runtime.adapters.loader import AdapterLoader
 from lora_runtime.adapters.page_tensors import AdapterPageTensors, HostAdapter, LoraStep, bytes_per_page, module_shapes
 from lora_runtime.adapters.pages import AdapterPagePool, AdapterPlacement
 from lora_runtime.adapters.refs import AdapterKey, AdapterRequest, AdapterSource, Caller
-from lora_runtime.adapters.weights import MODULE_NAMES, AdapterLimits, BaseModelShape
+from lora_runtime.adapters.weights import MODULE_NAMES
+from lora_runtime.engine_info import AdapterLimits, BaseModelShape
 from lora_runtime.config import AdapterConfig
 
 logger = logging.getLogger(__name__)

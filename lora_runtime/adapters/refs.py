@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from lora_runtime.adapters.merge import MergedAdapters
-from lora_runtime.adapters.peft_format import CONFIG_FILE
+from lora_runtime.adapters.merge_request import MergedAdapters
+from lora_runtime.adapter_files import ADAPTER_CONFIG_FILE as CONFIG_FILE
 from lora_runtime.adapters.sources import ids
 from lora_runtime.errors import AdapterNotFoundError, ValidationError
 

@@ -22,11 +22,8 @@ from ray import exceptions as ray_errors
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from lora_runtime.adapters.refs import AdapterRequest
-from lora_runtime.async_engine import EngineStats
-from lora_runtime.core import CacheScope, RequestOutput, SamplingParams
-from lora_runtime.engine_info import EngineInfo
-from lora_runtime.errors import EngineError
+from lora_runtime.api import (AdapterRequest, CacheScope, EngineError, EngineInfo, EngineStats,
+                              RequestOutput, SamplingParams)
 from server.cluster.wire import Accepted, Failed, ReplicaReport, adapter_model_id
 
 logger = logging.getLogger(__name__)

@@ -12,9 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from lora_runtime.adapters.refs import AdapterRequest
-from lora_runtime.core import SamplingParams
-from lora_runtime.errors import ValidationError
+from lora_runtime.api import AdapterRequest, SamplingParams, ValidationError
 from lora_runtime.sampling.schema import schema_from_response_format
 from server.config import ServerConfig
 from server.deployments import Deployment

@@ -17,8 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from lora_runtime.core import CacheScope
-from lora_runtime.errors import EngineError, ValidationError
+from lora_runtime.api import CacheScope, EngineError, ValidationError
 from lora_runtime.sampling.tools import tool_call_format
 from server.auth import authorize_tenant
 from server.body import read_model

@@ -15,7 +15,7 @@ from typing import Any
 import jsonschema
 import llguidance
 
-from lora_runtime.errors import ValidationError
+from lora_runtime.api import ValidationError
 from lora_runtime.sampling.schema import JSON_COMPILE_OPTIONS
 from lora_runtime.sampling.tools import ToolCallFormat, ToolGrammarRequest, tool_call_grammar
 from server.openai_api.protocol import ChatCompletionRequest

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lora_runtime.errors import EngineError
+from lora_runtime.api import EngineError
 
 
 class RegistryError(EngineError):

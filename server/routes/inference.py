@@ -12,8 +12,7 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from lora_runtime.core import CacheScope
-from lora_runtime.errors import EngineError, ValidationError
+from lora_runtime.api import CacheScope, EngineError, ValidationError
 from server.auth import authorize_tenant
 from server.body import read_model
 from server.deployments import resolve_deployment

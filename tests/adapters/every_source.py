@@ -13,8 +13,9 @@ import kernels
 from lora_runtime.adapters.manager import AdapterManager
 from lora_runtime.adapters.peft_format import load_peft_adapter
 from lora_runtime.adapters.refs import AdapterRequest, Caller, parse_adapter_ref
-from lora_runtime.adapters.sources.download import ADAPTER_FILES, AdapterStore
-from lora_runtime.adapters.weights import AdapterLimits, BaseModelShape
+from lora_runtime.adapter_files import ADAPTER_FILES
+from lora_runtime.adapters.sources.download import AdapterStore
+from lora_runtime.engine_info import AdapterLimits, BaseModelShape
 from lora_runtime.config import AdapterConfig
 from lora_runtime.errors import AdapterInvalidError
 from server.adapter_sources import build_adapter_sources

@@ -11,9 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lora_runtime.adapters.merge import MergedAdapters, merge_lora_weights
+from lora_runtime.adapters.merge import merge_lora_weights
+from lora_runtime.adapters.merge_request import MergedAdapters
 from lora_runtime.adapters.peft_format import SAFETENSORS_FILE
-from lora_runtime.adapters.sources.download import ADAPTER_FILES
+from lora_runtime.adapter_files import ADAPTER_FILES
 from lora_runtime.adapters.weights import (
     MAX_DELTA_NORM,
     LoraModuleWeights,

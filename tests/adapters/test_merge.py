@@ -15,7 +15,8 @@ from peft import LoraConfig, PeftModel
 from peft.tuners.lora import LoraLayer
 
 from lora_runtime.adapters import AdapterLimits, LoraWeights, MergedAdapters, load_peft_adapter
-from lora_runtime.adapters.merge import MAX_MERGE_WEIGHT, MAX_MERGED_ADAPTERS, merge_lora_weights
+from lora_runtime.adapters.merge import merge_lora_weights
+from lora_runtime.adapters.merge_request import MAX_MERGE_WEIGHT, MAX_MERGED_ADAPTERS
 from lora_runtime.adapters.weights import LoraModuleWeights
 from lora_runtime.errors import AdapterIncompatibleError, ValidationError
 from tests.adapters.peft_factory import peft_model, randomize_lora, save_adapter, tiny_shape

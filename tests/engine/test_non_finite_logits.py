@@ -15,7 +15,7 @@ from peft import LoraConfig
 from safetensors.torch import save_file
 
 from lora_runtime.adapters import weights
-from lora_runtime.adapters.weights import BaseModelShape
+from lora_runtime.engine_info import BaseModelShape
 from lora_runtime.core import SamplingParams
 from lora_runtime.errors import NonFiniteLogitsError
 

@@ -11,7 +11,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
-from lora_runtime.adapters.weights import AdapterLimits, BaseModelShape
+from lora_runtime.engine_info import AdapterLimits, BaseModelShape
 from lora_runtime.errors import ValidationError
 from server.registry.errors import PayloadTooLargeError, TooManyUploadsError, UploadNotFoundError
 from server.registry.service import AdapterRegistry

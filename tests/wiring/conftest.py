@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from lora_runtime.adapters.sources.download import ADAPTER_FILES
+from lora_runtime.adapter_files import ADAPTER_FILES
 from tests.fixtures.adapters import make_lora_adapter, read_file_bytes
 from tests.fixtures.hub_server import HubRepo, HubServer
 from tests.fixtures.s3_server import S3Server, s3_server

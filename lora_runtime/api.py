@@ -23,7 +23,7 @@ from lora_runtime.adapters.refs import (SOURCES, AdapterKey, AdapterRef, Adapter
                                         LocalSource, parse_adapter_ref)
 from lora_runtime.adapters.sources.ids import check_remote, infer_source
 from lora_runtime.core import (MAX_TOP_LOGPROBS, CacheScope, FinishReason, PrefillToken, RequestOutput,
-                               SamplingParams, TokenInfo, TopToken)
+                               SamplingParams, TokenInfo, ToolCalling, TopToken)
 from lora_runtime.engine_info import AdapterLimits, BaseModelShape, EngineInfo
 from lora_runtime.errors import (AdapterAccessError, AdapterIncompatibleError, AdapterInvalidError,
                                  AdapterNotFoundError, AdapterUnavailableError, EngineError, NonFiniteLogitsError,
@@ -35,7 +35,7 @@ __all__ = [
     "AdapterSource", "AdapterUnavailableError", "BaseModelShape", "CacheScope", "Caller", "EngineBackend",
     "EngineError", "EngineInfo", "EngineStats", "EngineStream", "FinishReason", "LocalSource", "MergedAdapters",
     "NonFiniteLogitsError", "PrefillToken", "RequestAbortedError", "RequestOutput", "SamplingParams", "TokenInfo",
-    "TopToken", "ValidationError", "check_remote", "infer_source", "parse_adapter_ref",
+    "ToolCalling", "TopToken", "ValidationError", "check_remote", "infer_source", "parse_adapter_ref",
 ]
 
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 from lora_runtime.adapters.cache import AdapterLease
@@ -94,8 +95,11 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, cpus: Collection[int] | None = None) -> None:
+        """`cpus`: where the engine loop runs, and with it the compute threads it starts at its
+        first step (a new thread inherits its creator's CPUs); None: wherever the process may."""
         self.engine = engine
+        self.cpus = tuple(sorted(cpus)) if cpus is not None else None
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -256,6 +260,8 @@ class AsyncEngine:
             await asyncio.to_thread(self._thread.join, 5.0)
 
     def _run(self) -> None:
+        if self.cpus is not None:
+            os.sched_setaffinity(0, self.cpus)  # this thread only: the caller's threads keep theirs
         while not self._stopping.is_set():
             self._drain_commands(block=not self.engine.has_unfinished_requests())
             self._publish_queues()

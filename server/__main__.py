@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from server.config import ServerConfig
+from server.cpu_placement import pin_this_thread, service_placement
 from server.db import Database, open_database
 from server.launch import add_service_options, engine_config, prepare_service, program_name, server_config
 from sqlalchemy import select
@@ -35,6 +36,8 @@ from server.tenancy import (
     list_tokens,
     revoke_token,
 )
+
+logger = logging.getLogger("server")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -75,9 +78,21 @@ def _serve(args: argparse.Namespace, config: ServerConfig, database: Database) -
     from server.adapter_sources import engine_adapter_sources
     from server.app import DrainingServer, create_app
 
+    placement = service_placement(args.threads)
+    # Built on its own CPUs, the engine counts its compute threads from them (lora_runtime/threads.py).
+    pin_this_thread(placement.engine_cpus)
     engine = Engine.from_config(engine_config(args), adapter_sources=engine_adapter_sources(config, database))
+    pin_this_thread(placement.service_cpus)  # the event loop, and the threads it starts from here on
+    logger.info("engine: %d compute threads on CPUs %s; the service's threads on %s", engine.num_threads,
+                _cpu_list(placement.engine_cpus),
+                "the same CPUs" if placement.is_shared else "CPUs " + _cpu_list(placement.service_cpus))
     adapters = prepare_service(config, database, engine.info)
-    DrainingServer(create_app(config, AsyncEngine(engine), database, adapters), config).run()
+    async_engine = AsyncEngine(engine, cpus=placement.engine_cpus)
+    DrainingServer(create_app(config, async_engine, database, adapters, placement), config).run()
+
+
+def _cpu_list(cpus: tuple[int, ...]) -> str:
+    return ",".join(map(str, cpus))
 
 
 def _create_tenant(args: argparse.Namespace, database: Database) -> None:

@@ -18,6 +18,7 @@ from fastapi.openapi.utils import get_openapi
 from server.adapter_sources import AdapterServices, adapter_services
 from server.bridge import Admission
 from server.config import ServerConfig
+from server.cpu_placement import CpuPlacement
 from server.db import Database
 from lora_runtime.api import EngineBackend
 from server.errors import install_error_handlers
@@ -41,14 +42,15 @@ _FORCE_EXIT_POLL_S = 0.1
 
 
 def create_app(config: ServerConfig, engine: EngineBackend, database: Database,
-               adapters: AdapterServices | None = None) -> FastAPI:
+               adapters: AdapterServices | None = None, placement: CpuPlacement | None = None) -> FastAPI:
     """The app serving `engine` (an `AsyncEngine`, or a cluster's `RemoteEngine`), which its
     lifespan starts and stops. `adapters` defaults to the registry that `config` describes (what
-    `pbase` sources read)."""
+    `pbase` sources read); `placement`, where known, is shown in `/info`."""
     admission = Admission(config.max_in_flight, config.retry_after_s)
     state = ServerState(config=config, database=database, async_engine=engine, admission=admission,
                         metrics=None,
-                        adapters=adapters or adapter_services(config, database, engine.info))
+                        adapters=adapters or adapter_services(config, database, engine.info),
+                        placement=placement)
     state.metrics = ServerMetrics(lambda: engine.stats() if engine.is_running else None,
                                   lambda: admission.num_in_flight, config.metrics_max_adapters)
     app = FastAPI(title="LoRA serving", version="0.1.0", lifespan=_lifespan)

@@ -11,6 +11,7 @@ CPU that first touches it).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Collection, Mapping, Sequence
@@ -112,6 +113,23 @@ def place_service(cores: Sequence[int], allowed_cpus: Collection[int]) -> CpuPla
     return CpuPlacement(engine, tuple(sorted(set(allowed_cpus) - set(engine))))
 
 
+def service_placement(num_threads: int | None) -> CpuPlacement:
+    """`python -m server`'s placement on this machine: `place_service` over this process's affinity
+    mask; every CPU shared where the operator set the thread count (`--threads`): where those
+    threads run is then theirs to say (`taskset`, `numactl`)."""
+    allowed = os.sched_getaffinity(0)
+    if num_threads is not None:
+        return CpuPlacement(tuple(sorted(allowed)), tuple(sorted(allowed)))
+    return place_service(allowed_cores(), allowed)
+
+
 def pin_this_thread(cpus: Collection[int]) -> None:
     """Run the calling thread, and the threads it creates from now on, on `cpus` only."""
     os.sched_setaffinity(0, cpus)
+
+
+def pin_this_process(cpus: Collection[int]) -> None:
+    """Run every thread of this process, and those they create from now on, on `cpus` only."""
+    for thread_id in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(thread_id), cpus)

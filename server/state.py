@@ -10,6 +10,7 @@ from lora_runtime.api import EngineBackend, EngineInfo
 from server.adapter_sources import AdapterServices
 from server.bridge import Admission
 from server.config import ServerConfig
+from server.cpu_placement import CpuPlacement
 from server.db import Database
 from server.metrics import MetricsListener, ServerMetrics
 
@@ -23,6 +24,7 @@ class ServerState:
     metrics: ServerMetrics | None
     adapters: AdapterServices
     metrics_listener: MetricsListener | None = None  # while the app runs, with `metrics_port`
+    placement: CpuPlacement | None = None  # the engine's and the service's CPUs, where this process knows them
 
     @property
     def engine_info(self) -> EngineInfo:

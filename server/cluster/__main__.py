@@ -17,17 +17,22 @@ from server.cluster.app import APP_NAME, application, cluster_parser
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args = cluster_parser().parse_args(argv)
+    parser = cluster_parser()
+    args = parser.parse_args(argv)
     import ray
     from ray import serve
 
+    try:  # before Ray starts: a refused option (more replicas than cores) costs nothing
+        app = application(args)
+    except ValueError as error:
+        parser.error(str(error))
     ray.init(address=args.address, include_dashboard=False)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(application(args), name=APP_NAME, route_prefix="/")
+        serve.run(app, name=APP_NAME, route_prefix="/")
         sys.stdout.write(f"serving on http://{args.host}:{args.port} with {args.replicas} engine replicas\n")
         sys.stdout.flush()
         stop.wait()

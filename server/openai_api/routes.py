@@ -18,7 +18,6 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from lora_runtime.api import CacheScope, EngineError, ValidationError
-from lora_runtime.sampling.tools import tool_call_format
 from server.auth import authorize_tenant
 from server.body import read_model
 from server.deployments import resolve_deployment
@@ -146,13 +145,11 @@ async def _named_for(body: Body, answer: Awaitable[Response]) -> Response:
 
 def _chat_call(body: ChatCompletionRequest, state: ServerState, deployment: Deployment,
                tenant: str) -> EngineCall:
-    tools = tool_plan(body, tool_call_format(state.engine_info.tokenizer.chat_template,
-                                             state.config.tool_call_format))
+    tools = tool_plan(body, state.config.tool_call_format)
     params = chat_sampling_params(body, state.config, tools)
     adapter, adapter_headers = adapter_for(body, adapter_scope(tenant, deployment, state.config))
     answer = ChatAnswer(_model_name(body, deployment), params, params.best_of, _include_usage(body),
-                        logprobs=bool(body.logprobs),
-                        tool_format=tools.fmt if tools is not None and tools.parses_calls else None)
+                        logprobs=bool(body.logprobs))
     prompt = chat_inputs(body.messages, tools)
     requests, choices_per_request = fan_out_requests([prompt], params, params.best_of, bool(body.stream))
     return EngineCall(prompt=prompt, params=params, adapter=adapter,

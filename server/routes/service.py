@@ -36,14 +36,18 @@ class Limits(BaseModel):
 
 
 class Runtime(BaseModel):
-    """How the engine computes: its dtype (resolved when configured "auto"), kernel backend and compute
-    threads; the memory of its adapter tiers."""
+    """How the engine computes: its dtype (resolved when configured "auto"), kernel backend, compute
+    threads and the CPUs they run on; the memory of its adapter tiers."""
 
     dtype: str
     kernel_backend: str  # "cpu/<instruction-set form>", "torch" or "triton"
     threads: int
     adapter_pool_bytes: int  # the device pages adapters are served from (pages of 16 rank rows)
     adapter_host_cache_bytes: int
+    # The CPUs of the engine's loop and compute threads, and of the service's own threads (the same
+    # list where they share); null where this process does not place them (a cluster's ingress).
+    engine_cpus: list[int] | None = None
+    service_cpus: list[int] | None = None
 
 
 class Info(BaseModel):
@@ -92,8 +96,11 @@ async def info(request: Request) -> Info:
     deployments = [DeploymentInfo(name=d.name, base_model=d.base_model, shared=d.is_shared)
                    for d in visible_deployments(state.database, tenant)]
     adapters = engine.config.adapters
+    placement = state.placement
     runtime = Runtime(dtype=engine.dtype_name, kernel_backend=engine.kernel_backend, threads=engine.num_threads,
-                      adapter_pool_bytes=adapters.device_pool_bytes, adapter_host_cache_bytes=adapters.host_cache_bytes)
+                      adapter_pool_bytes=adapters.device_pool_bytes, adapter_host_cache_bytes=adapters.host_cache_bytes,
+                      engine_cpus=list(placement.engine_cpus) if placement else None,
+                      service_cpus=list(placement.service_cpus) if placement else None)
     return Info(version=_version(), tenant=tenant, base_models=[state.model_name],
                 deployments=deployments, limits=limits, runtime=runtime)
 

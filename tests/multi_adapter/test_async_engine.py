@@ -1,9 +1,11 @@
 """`AsyncEngine`'s streams: a caller of `add_request` cancelled while its request waits for the loop
 thread (a client that leaves, an ingress that gives up) costs nothing and never stops the loop (the
-request is not queued, its adapter hold is released); `final_only` yields the finished output alone."""
+request is not queued, its adapter hold is released); `final_only` yields the finished output alone;
+the loop thread runs on the CPUs it is given."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 
 from lora_runtime import AsyncEngine, SamplingParams
@@ -60,3 +62,21 @@ def test_final_only_yields_the_finished_output_alone(tiny_dir) -> None:
     every, final = asyncio.run(run())
     assert len(every) == 5 and [output.finished for output in final] == [True]
     assert final[0].token_ids == every[-1].token_ids
+
+
+def test_the_engine_loop_runs_on_its_cpus_and_the_callers_threads_keep_theirs(tiny_dir) -> None:
+    allowed = sorted(os.sched_getaffinity(0))
+
+    async def run() -> tuple[set[int], list[int]]:
+        engine = AsyncEngine(make_engine(tiny_dir), cpus={allowed[-1]})
+        await engine.start()
+        try:
+            params = SamplingParams(max_new_tokens=2, ignore_eos_token=True)
+            outputs = [output async for output in await engine.add_request([5, 17, 33], params)]
+            return os.sched_getaffinity(engine._thread.native_id), outputs[-1].token_ids
+        finally:
+            await engine.shutdown()
+
+    loop_cpus, token_ids = asyncio.run(run())
+    assert loop_cpus == {allowed[-1]} and len(token_ids) == 2
+    assert sorted(os.sched_getaffinity(0)) == allowed

@@ -107,3 +107,29 @@ def test_a_pinned_thread_and_the_threads_it_starts_run_where_pinned() -> None:
     thread.join()
     assert seen == {"pinned": {allowed[0]}, "child": {allowed[0]}}
     assert sorted(os.sched_getaffinity(0)) == allowed, "the other threads keep their mask"
+
+
+def test_the_compute_threads_a_pinned_thread_starts_run_where_it_is_pinned() -> None:
+    """What `AsyncEngine(cpus=...)` counts on: PyTorch's OpenMP team is started by the thread that
+    first runs a parallel op, and inherits that thread's CPUs."""
+    import torch
+
+    allowed = sorted(os.sched_getaffinity(0))
+    before_threads, num_threads = set(os.listdir("/proc/self/task")), torch.get_num_threads()
+    seen: dict[int, set[int]] = {}
+
+    def pinned() -> None:
+        pin_this_thread({allowed[-1]})
+        torch.ones(1 << 22).exp_()  # far past a parallel op's grain: every thread of the team works
+        for thread_id in set(os.listdir("/proc/self/task")) - before_threads:
+            seen[int(thread_id)] = os.sched_getaffinity(int(thread_id))
+
+    torch.set_num_threads(2)
+    try:
+        thread = threading.Thread(target=pinned)
+        thread.start()
+        thread.join()
+    finally:
+        torch.set_num_threads(num_threads)
+    assert len(seen) >= 2, "the pinned thread and at least one compute thread it started"
+    assert all(cpus == {allowed[-1]} for cpus in seen.values()), seen

@@ -21,7 +21,9 @@ import text_generation.types
 from lora_runtime import Engine
 from lora_runtime.config import AdapterConfig
 from lora_runtime.sampling.chat import render_chat_prompt
-from lora_runtime.sampling.tools import TOOL_CALL_FORMATS, ToolGrammarRequest, tool_call_format, tool_call_grammar
+from lora_runtime.core import ToolCalling
+from lora_runtime.sampling.tool_grammar import tool_call_grammar
+from lora_runtime.sampling.tools import TOOL_CALL_FORMATS, tool_call_format
 from server.adapter_sources import engine_adapter_sources
 from server.config import DEFAULT_DEMO_ADAPTERS_DIR, TOOL_CALL_FORMAT_CHOICES, ServerConfig
 from server.db import open_database
@@ -255,8 +257,8 @@ def _accepts(grammar: str, text: str, tokenizer, engine) -> bool:
 
 @pytest.mark.parametrize("fmt", TOOL_CALL_FORMATS.values(), ids=list(TOOL_CALL_FORMATS))
 def test_the_grammar_takes_text_then_calls_and_nothing_malformed(engine, matcher_tokenizer, fmt) -> None:
-    request = ToolGrammarRequest((("get_weather", WEATHER), ("get_time", TIME)), ("get_weather", "get_time"),
-                                 free_text_first=True, parallel=True)
+    request = ToolCalling((("get_weather", WEATHER), ("get_time", TIME)), ("get_weather", "get_time"),
+                          free_text_first=True, parallel=True)
     grammar = tool_call_grammar(request, fmt)
     two = fmt.render_calls([("get_weather", '{"city": "Paris", "unit": "celsius"}'), ("get_time", '{"zone": "CET"}')])
     for text, accepted in [("Just text.", True), ("Let me look. " + two, True),
@@ -264,7 +266,7 @@ def test_the_grammar_takes_text_then_calls_and_nothing_malformed(engine, matcher
                            (fmt.render_calls([("get_news", "{}")]), False),
                            (fmt.trigger + " not a call", False)]:
         assert _accepts(grammar, text, matcher_tokenizer, engine) is accepted, text
-    single = tool_call_grammar(ToolGrammarRequest(request.tools, ("get_time",), False, False), fmt)
+    single = tool_call_grammar(ToolCalling(request.tools, ("get_time",), False, False), fmt)
     assert _accepts(single, fmt.render_calls([("get_time", '{"zone": "CET"}')]), matcher_tokenizer, engine)
     assert not _accepts(single, two, matcher_tokenizer, engine)
     assert not _accepts(single, "text " + fmt.render_calls([("get_time", '{"zone": "CET"}')]),

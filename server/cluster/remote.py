@@ -37,14 +37,12 @@ class ReplicaUnavailableError(EngineError):
     """The replica running the request died or could not be reached."""
 
     error_type = "replica_unavailable"
-    status_code = 503
 
 
 class ClusterOverloadedError(EngineError):
     """Every replica is at its admission bound and the router's queue is full."""
 
     error_type = "overloaded"
-    status_code = 429
 
 
 @contextlib.contextmanager

@@ -196,4 +196,4 @@ def test_merged_factors_that_overflow_are_refused_with_a_typed_error() -> None:
     overflow = r"merged_adapters.weights: .*layer 0 q_proj overflow"
     with pytest.raises(AdapterIncompatibleError, match=overflow) as raised:
         merge_lora_weights(adapters, MergedAdapters(["x", "y"], [MAX_MERGE_WEIGHT, 1.0]))
-    assert raised.value.status_code == 422
+    assert raised.value.error_type == "adapter_incompatible"

@@ -18,7 +18,8 @@ import torch
 import kernels
 from lora_runtime.adapters.cache import AdapterLease
 from lora_runtime.adapters.manager import AdapterManager, Lease
-from lora_runtime.adapters.refs import AdapterSource, Caller
+from lora_runtime.adapters.refs import AdapterKey, AdapterRequest, AdapterSource, Caller
+from lora_runtime.api import EngineStats
 from lora_runtime.engine_info import BaseModelShape
 from lora_runtime.best_of import BestOfGroup
 from lora_runtime.config import EngineConfig
@@ -27,6 +28,7 @@ from lora_runtime.device_memory import sized_for_device
 from lora_runtime.core import CacheScope, Request, RequestOutput, RequestStatus, SamplingParams
 from lora_runtime.embedded import EMBEDDED_MODEL_NAME, ensure_embedded_model
 from lora_runtime.engine_info import EngineInfo
+from lora_runtime.engine_stats import LoopActivity, engine_stats
 from lora_runtime.errors import EngineError, NonFiniteLogitsError, ValidationError
 from lora_runtime.gguf_model import is_gguf_file, load_gguf
 from lora_runtime.kv_cache import KVCacheManager
@@ -141,8 +143,8 @@ class Engine:
         lease = adapter if isinstance(adapter, AdapterLease) else None
         try:
             if lease is None:
-                adapter_request = self.adapters.parse(adapter, Caller(api_token=api_token))
-                lease = self.adapters.acquire(adapter_request) if adapter_request is not None else None
+                adapter_request = self.parse_adapter(adapter, Caller(api_token=api_token))
+                lease = self.acquire_adapter(adapter_request) if adapter_request is not None else None
             request_id = request_id or f"req-{next(self._request_counter)}"
             if request_id in self._states:
                 raise ValidationError("request_id", f"{request_id!r} is already in use")
@@ -164,6 +166,25 @@ class Engine:
             self._group_of[request_id] = BestOfGroup(state)
         self.scheduler.add_request(request)
         return request_id
+
+    def parse_adapter(self, adapter: object, caller: Caller = Caller()) -> AdapterRequest | None:
+        """`add_request`'s `adapter` (but a lease) as a typed request; safe from any thread (it reads
+        only the configured sources)."""
+        return self.adapters.parse(adapter, caller)
+
+    def acquire_adapter(self, request: AdapterRequest) -> Lease:
+        """Start (or join) the background load of the request's adapter; the lease, handed to
+        `add_request`, pins its host copy until the request ends. Safe from any thread (the host
+        cache locks)."""
+        return self.adapters.acquire(request)
+
+    def cached_adapters(self) -> tuple[AdapterKey, ...]:
+        """The adapters the host cache holds now, least recently used first; safe from any thread."""
+        return tuple(key for key, _, _ in self.adapters.host.snapshot())
+
+    def stats(self, activity: LoopActivity) -> EngineStats:
+        """The engine's figures beside what the thread stepping it has counted; safe from any thread."""
+        return engine_stats(activity, self.kv_cache, self.scheduler.num_preemptions, self.adapters)
 
     def _kv_identity(self, request: Request) -> bytes:
         """The root of the request's KV block chain: its cache scope, its adapter's key and the load

@@ -95,8 +95,7 @@ class EngineReplica:
             await self._engine.shutdown(0.0)
 
     def _report(self) -> ReplicaReport:
-        cached = tuple(key for key, _, _ in self._engine.engine.adapters.host.snapshot())
-        return ReplicaReport(self.replica_id, self._engine.stats(), cached)
+        return ReplicaReport(self.replica_id, self._engine.stats(), self._engine.cached_adapters())
 
     async def _publish_forever(self) -> None:
         while True:

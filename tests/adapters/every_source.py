@@ -24,7 +24,7 @@ from server.registry.blobs import LocalBlobStore
 from server.registry.layout import read_layout
 from server.registry.source import PbaseResolver
 from tests.fixtures.adapters import BASE_MODEL_NAME, TINY_LLAMA
-from tests.fixtures.hub_server import HubServer
+from benchmarks.loopback_hub import HubServer
 
 BASE_SHAPE = BaseModelShape.from_hf_config(BASE_MODEL_NAME, TINY_LLAMA)
 

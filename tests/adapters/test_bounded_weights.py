@@ -24,8 +24,8 @@ from lora_runtime.adapters.weights import (
 from lora_runtime.errors import AdapterIncompatibleError
 from tests.adapters.every_source import engine_refusal, manager_with_every_source, upload_refusal
 from tests.fixtures.adapters import make_lora_adapter, read_file_bytes
-from tests.fixtures.hub_server import HubRepo, HubServer
-from tests.fixtures.s3_server import s3_server
+from benchmarks.loopback_hub import HubRepo, HubServer
+from benchmarks.loopback_s3 import s3_server
 
 HOSTILE_VALUE = 1e30
 

@@ -19,7 +19,7 @@ from lora_runtime.errors import (
     AdapterUnavailableError,
     ValidationError,
 )
-from tests.fixtures.hub_server import HubServer
+from benchmarks.loopback_hub import HubServer
 from tests.sources.conftest import HUB_READER_TOKEN
 
 

@@ -17,7 +17,7 @@ from lora_runtime.errors import (
     AdapterUnavailableError,
     ValidationError,
 )
-from tests.fixtures.s3_server import S3Server
+from benchmarks.loopback_s3 import S3Server
 
 
 def _source(s3: S3Server, root: Path, limits: DownloadLimits = DownloadLimits()) -> S3Source:

@@ -46,6 +46,8 @@ def violations(path: Path, relative: str) -> list[str]:
         top = module.split(".", 1)[0]
         if top in ("tests", "benchmarks") and layer in PRODUCT_PACKAGES:
             found.append(f"{relative}: product code imports {module}")
+        elif layer == "benchmarks" and top == "tests":
+            found.append(f"{relative}: a benchmark imports {module} (what benchmarks share lives in benchmarks/)")
         elif layer == "kernels" and top in ("lora_runtime", "server"):
             found.append(f"{relative}: kernels import {module}, a layer above them")
         elif layer == "lora_runtime" and top == "server":
@@ -61,7 +63,8 @@ def _server_may_import(relative: str, module: str) -> bool:
     return module in CONTRACT | GRAMMAR
 
 
-def product_files() -> Iterator[tuple[Path, str]]:
-    for package in PRODUCT_PACKAGES:
+def checked_files() -> Iterator[tuple[Path, str]]:
+    """The product's modules and the benchmarks'."""
+    for package in (*PRODUCT_PACKAGES, "benchmarks"):
         for path in sorted((ROOT / package).rglob("*.py")):
             yield path, path.relative_to(ROOT).as_posix()

@@ -37,7 +37,7 @@ from lora_runtime.model_runner import ModelRunner, ModelRunnerOutput
 from lora_runtime.prefix_cache import kv_identity
 from lora_runtime.models.llama import LlamaModel
 from lora_runtime.request_state import RequestState
-from lora_runtime.sampling.sampler import SampleResult, Sampler, TokenizerInfo, TopPairs, top_tokens
+from lora_runtime.sampling.sampler import SampleResult, Sampler, TokenizerInfo, TopPairs, chunk_logprobs
 from lora_runtime.scheduler import Scheduler
 from lora_runtime.step_timing import StepTimes
 from lora_runtime.threads import use_threads
@@ -266,11 +266,9 @@ class Engine:
         logits = runner_output.logits
         for request, first_position, first_row, num_rows in runner_output.rows.prompt_rows:
             # Row first_row + i scores prompt token first_position + 1 + i.
-            targets = torch.tensor(request.prompt_token_ids[first_position + 1 : first_position + 1 + num_rows])
-            rows = torch.log_softmax(logits[first_row : first_row + num_rows].float(), dim=-1)
-            values = rows.gather(1, targets.to(rows.device)[:, None])[:, 0].tolist()
-            num_top = request.params.top_logprobs
-            top = top_tokens(rows, num_top) if num_top > 0 else None
+            next_ids = request.prompt_token_ids[first_position + 1 : first_position + 1 + num_rows]
+            values, top = chunk_logprobs(logits[first_row : first_row + num_rows], next_ids,
+                                         request.params.top_logprobs)
             self._states[request.request_id].record_prompt_logprobs(first_position, values, top)
 
     def _sample_and_update(self, runner_output: ModelRunnerOutput) -> list[RequestOutput]:

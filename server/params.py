@@ -198,11 +198,11 @@ def _merged_adapters(merged: WireMergedAdapters, scope: AdapterScope) -> MergedA
     return spec
 
 
-def adapter_headers(parameters: GenerateParameters | None) -> dict[str, str]:
-    """`x-adapter-id` and `x-adapter-source` for the adapter a request names (docs/api.md sections 3 and 5)."""
-    if parameters is not None and parameters.merged_adapters is not None:
-        return {"x-adapter-id": ",".join(parameters.merged_adapters.ids), "x-adapter-source": "merged"}
-    if parameters is None or not parameters.adapter_id:
+def adapter_headers(adapter: AdapterRequest | None) -> dict[str, str]:
+    """`x-adapter-id` and `x-adapter-source` for the adapter a request names (docs/api.md sections 3
+    and 5), read from `adapter_reference`'s answer: the source as parsed there, not inferred again."""
+    if adapter is None:
         return {"x-adapter-id": "", "x-adapter-source": "base"}
-    return {"x-adapter-id": parameters.adapter_id,
-            "x-adapter-source": parameters.adapter_source or infer_source(parameters.adapter_id)}
+    if isinstance(adapter.adapter, MergedAdapters):
+        return {"x-adapter-id": ",".join(adapter.adapter.ids), "x-adapter-source": "merged"}
+    return {"x-adapter-id": adapter.adapter.adapter_id, "x-adapter-source": adapter.adapter.source}

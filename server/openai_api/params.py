@@ -55,9 +55,10 @@ def adapter_for(body: ChatCompletionRequest | CompletionRequest,
         parameters = GenerateParameters(adapter_id=body.model, adapter_source=body.adapter_source,
                                         api_token=body.api_token)
     try:
-        return adapter_reference(parameters, scope), adapter_headers(parameters)
+        adapter = adapter_reference(parameters, scope)
     except ValidationError as error:
         raise ValidationError("model", error.message.removeprefix("adapter_id: ")) from None
+    return adapter, adapter_headers(adapter)
 
 
 def chat_sampling_params(body: ChatCompletionRequest, config: ServerConfig, tools: ToolPlan | None) -> SamplingParams:

@@ -71,21 +71,21 @@ async def _serve(request: Request, state: ServerState, tenant_id: str, deploymen
     is_stream = mode is Mode.STREAM or (mode is Mode.COMPAT and bool(body.stream))
     try:
         call = _engine_call(body, state, adapter_scope(tenant, deployment, state.config), is_stream,
-                            as_array=mode is Mode.COMPAT,
-                            identity={"x-model-id": deployment.base_model, **adapter_headers(body.parameters)})
+                            as_array=mode is Mode.COMPAT, base_model=deployment.base_model)
     except EngineError as error:
         raise from_engine_error(error, state.config.retry_after_s) from None
     return await serve(request, state, call, received)
 
 
 def _engine_call(body: GenerateRequest, state: ServerState, scope: AdapterScope, is_stream: bool,
-                 as_array: bool, identity: dict[str, str]) -> EngineCall:
+                 as_array: bool, base_model: str) -> EngineCall:
     """The engine's arguments and the TGI answer; raises EngineError (422) on refusal."""
     if not body.inputs:
         raise ValidationError("inputs", "must not be empty")
     params = to_sampling_params(body.parameters, state.config, is_stream)
     answer = TgiAnswer(body.inputs, params, top_counts(body.parameters), as_array)
     salt = body.parameters.cache_salt if body.parameters is not None else None
-    return EngineCall(prompt=body.inputs, params=params, adapter=adapter_reference(body.parameters, scope),
+    adapter = adapter_reference(body.parameters, scope)
+    return EngineCall(prompt=body.inputs, params=params, adapter=adapter,
                       cache_scope=CacheScope(scope.tenant, salt), is_stream=is_stream, answer=answer,
-                      identity=identity)
+                      identity={"x-model-id": base_model, **adapter_headers(adapter)})

@@ -26,7 +26,11 @@ def main(argv: list[str] | None = None) -> None:
         app = application(args)
     except ValueError as error:
         parser.error(str(error))
-    ray.init(address=args.address, include_dashboard=False)
+    # Ray starts its workers at niceness 15, so that its daemons keep the CPU under load; here the
+    # workers are the service (replicas, ingress, proxy): at 15 any other work on the machine would
+    # take their cores first.
+    local_start = {"_system_config": {"worker_niceness": 0}} if args.address is None else {}
+    ray.init(address=args.address, include_dashboard=False, **local_start)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

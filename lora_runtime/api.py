@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from lora_runtime.adapters.merge_request import MAX_MERGED_ADAPTERS, MergedAdapters
-from lora_runtime.adapters.refs import (SOURCES, AdapterKey, AdapterRef, AdapterRequest, AdapterSource, Caller,
-                                        LocalSource, parse_adapter_ref)
+from lora_runtime.adapters.refs import (SOURCES, AdapterArgument, AdapterKey, AdapterRef, AdapterRequest,
+                                        AdapterSource, Caller, LocalSource, parse_adapter_ref)
 from lora_runtime.adapters.sources.ids import check_remote, infer_source
 from lora_runtime.core import (MAX_TOP_LOGPROBS, CacheScope, FinishReason, PrefillToken, RequestOutput,
                                SamplingParams, TokenInfo, ToolCalling, TopToken)
@@ -30,7 +30,7 @@ from lora_runtime.errors import (AdapterAccessError, AdapterIncompatibleError, A
                                  RequestAbortedError, ValidationError)
 
 __all__ = [
-    "MAX_MERGED_ADAPTERS", "MAX_TOP_LOGPROBS", "SOURCES", "AdapterAccessError", "AdapterIncompatibleError",
+    "MAX_MERGED_ADAPTERS", "MAX_TOP_LOGPROBS", "SOURCES", "AdapterAccessError", "AdapterArgument", "AdapterIncompatibleError",
     "AdapterInvalidError", "AdapterKey", "AdapterLimits", "AdapterNotFoundError", "AdapterRef", "AdapterRequest",
     "AdapterSource", "AdapterUnavailableError", "BaseModelShape", "CacheScope", "Caller", "EngineBackend",
     "EngineError", "EngineInfo", "EngineStats", "EngineStream", "FinishReason", "LocalSource", "MergedAdapters",

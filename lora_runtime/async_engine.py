@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from lora_runtime.adapters.cache import AdapterLease
 from lora_runtime.adapters.manager import Lease
-from lora_runtime.adapters.refs import AdapterKey, AdapterRequest, Caller
+from lora_runtime.adapters.refs import AdapterArgument, AdapterKey, AdapterRequest, Caller
 from lora_runtime.api import EngineStats
 from lora_runtime.core import CacheScope, Request, RequestOutput, SamplingParams
 from lora_runtime.engine import IDLE_WAIT_S, Engine
@@ -132,7 +132,7 @@ class AsyncEngine:
         self,
         prompt: str | list[int],
         params: SamplingParams,
-        adapter: object = None,
+        adapter: AdapterArgument = None,
         request_id: str | None = None,
         api_token: str | None = None,
         final_only: bool = False,
@@ -162,7 +162,7 @@ class AsyncEngine:
             raise
         return lease
 
-    async def _add(self, prompt: str | list[int], params: SamplingParams, adapter: object,
+    async def _add(self, prompt: str | list[int], params: SamplingParams, adapter: AdapterRequest | Lease | None,
                    request_id: str | None, final_only: bool, cache_scope: CacheScope) -> RequestStream:
         """Hand the request to the loop thread, which validates and queues it. A caller cancelled
         before the loop gets to it is never queued (its adapter hold released); one cancelled while

@@ -18,7 +18,7 @@ import torch
 import kernels
 from lora_runtime.adapters.cache import AdapterLease
 from lora_runtime.adapters.manager import AdapterManager, Lease
-from lora_runtime.adapters.refs import AdapterKey, AdapterRequest, AdapterSource, Caller
+from lora_runtime.adapters.refs import AdapterArgument, AdapterKey, AdapterRequest, AdapterSource, Caller
 from lora_runtime.api import EngineStats
 from lora_runtime.engine_info import BaseModelShape
 from lora_runtime.best_of import BestOfGroup
@@ -126,7 +126,7 @@ class Engine:
         self,
         prompt: str | list[int],
         params: SamplingParams | None = None,
-        adapter: object = None,
+        adapter: AdapterArgument | Lease = None,
         request_id: str | None = None,
         api_token: str | None = None,
         cache_scope: CacheScope = CacheScope(),
@@ -167,7 +167,7 @@ class Engine:
         self.scheduler.add_request(request)
         return request_id
 
-    def parse_adapter(self, adapter: object, caller: Caller = Caller()) -> AdapterRequest | None:
+    def parse_adapter(self, adapter: AdapterArgument, caller: Caller = Caller()) -> AdapterRequest | None:
         """`add_request`'s `adapter` (but a lease) as a typed request; safe from any thread (it reads
         only the configured sources)."""
         return self.adapters.parse(adapter, caller)

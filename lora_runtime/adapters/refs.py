@@ -107,6 +107,12 @@ class AdapterRequest:
         return AdapterRequest(parse_adapter_ref(adapter_id, allow_local=allow_local), self.caller)
 
 
+# What a library caller may name as a request's adapter: an id (a local path works), a parsed
+# reference, a merge, or a whole request; None (or "") for the base model. The service sends only
+# `AdapterRequest`s (`EngineBackend.add_request`).
+AdapterArgument = str | AdapterRef | MergedAdapters | AdapterRequest | None
+
+
 class AdapterSource(Protocol):
     """Turns a validated reference into a local PEFT directory, for `caller`. Raises the typed
     adapter errors of `lora_runtime.errors` (not found, access, unavailable, invalid)."""

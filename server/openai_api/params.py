@@ -39,6 +39,11 @@ _ROLE_ALIASES = {"developer": "system"}
 _TGI_CLIENT_MODEL = "tgi"
 
 
+def is_tgi_client(body: ChatCompletionRequest | CompletionRequest) -> bool:
+    """The request comes from TGI's own client, which reads TGI's stream shapes."""
+    return body.model == _TGI_CLIENT_MODEL
+
+
 def is_base_model(model: str | None, deployment: Deployment) -> bool:
     """`model` names no adapter: empty, the deployment's base model, the deployment itself, or
     TGI's client's placeholder."""

@@ -27,6 +27,7 @@ from server.openai_api.params import (
     chat_sampling_params,
     completion_prompts,
     completion_sampling_params,
+    is_tgi_client,
     wire_name,
 )
 from server.openai_api.protocol import (
@@ -35,6 +36,7 @@ from server.openai_api.protocol import (
     ModelCard,
     ModelList,
 )
+from server.openai_api.tgi_chat import TgiChatAnswer
 from server.openai_api.tools import tool_plan
 from server.fan_out import fan_out_requests
 from server.params import adapter_scope
@@ -120,8 +122,9 @@ def _chat_call(body: ChatCompletionRequest, state: ServerState, deployment: Depl
     tools = tool_plan(body, state.config.tool_call_format)
     params = chat_sampling_params(body, state.config, tools)
     adapter, adapter_headers = adapter_for(body, adapter_scope(tenant, deployment, state.config))
-    answer = ChatAnswer(_model_name(body, deployment), params, params.best_of, _include_usage(body),
-                        logprobs=bool(body.logprobs))
+    answer_type = TgiChatAnswer if is_tgi_client(body) else ChatAnswer
+    answer = answer_type(_model_name(body, deployment), params, params.best_of, _include_usage(body),
+                         logprobs=bool(body.logprobs))
     prompt = chat_inputs(body.messages, tools)
     requests, choices_per_request = fan_out_requests([prompt], params, params.best_of, bool(body.stream))
     return EngineCall(prompt=prompt, params=params, adapter=adapter,

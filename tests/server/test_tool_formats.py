@@ -13,14 +13,20 @@ import json
 import jsonschema
 import llguidance
 import llguidance.hf
+import openai
 import pytest
 
 from lora_runtime import Engine, EngineConfig, SamplingParams
+from lora_runtime.config import AdapterConfig
 from lora_runtime.core import ToolCalling
 from lora_runtime.sampling.stop import StopCriteria
 from lora_runtime.sampling.tool_grammar import special_marker_ids, tool_call_grammar
 from lora_runtime.sampling.tools import TOOL_CALL_FORMATS
+from server.adapter_sources import engine_adapter_sources
+from server.config import ServerConfig
+from server.db import open_database
 from server.openai_api.tool_calls import parse_reply
+from tests.server.live import start_live_server
 from tests.fixtures.tool_models import (
     HERMES_STYLE_TEMPLATE,
     save_hermes_template_adapter,
@@ -40,6 +46,36 @@ def tool_model(tmp_path_factory):
     base = save_llama3_tool_model(root / "model")
     adapter_dir = save_hermes_template_adapter(base, root / "hermes-adapter")
     return Engine.from_config(EngineConfig(model=str(root / "model"), dtype="float32")), adapter_dir
+
+
+def test_the_openai_route_answers_each_request_in_its_templates_format(tool_model, tmp_path) -> None:
+    """Through the unmodified `openai` client, at once: the base model (Llama 3.x template) and the
+    adapter with its own Hermes template, streamed and whole; each answer's calls read back in its
+    own format, the streamed fragments equal to the whole answer's."""
+    shared, adapter_dir = tool_model
+    database = open_database(f"sqlite:///{tmp_path / 'sources.db'}")
+    sources = engine_adapter_sources(ServerConfig(data_dir=tmp_path, adapter_dir=adapter_dir.parent), database)
+    engine = Engine(dataclasses.replace(shared.config, adapters=AdapterConfig(allow_local_paths=False)),
+                    shared.model, shared.tokenizer, shared.model_name, sources)
+    server = start_live_server(engine, tmp_path, adapter_dir=adapter_dir.parent)
+    try:
+        client = openai.OpenAI(base_url=server.prefix() + "/v1", api_key=server.tokens["demo"], max_retries=0,
+                               timeout=300)
+        for model in [{"model": server.model_name}, {"model": adapter_dir.name, "extra_body": {"adapter_source": "local"}}]:
+            request = dict(messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                           max_tokens=64, temperature=0, **model)
+            whole = client.chat.completions.create(**request).choices[0]
+            assert whole.finish_reason == "tool_calls"
+            (call,) = whole.message.tool_calls
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+            fragments = [delta.function for chunk in client.chat.completions.create(stream=True, **request)
+                         for delta in chunk.choices[0].delta.tool_calls or []]
+            assert fragments[0].name == call.function.name
+            assert "".join(fragment.arguments or "" for fragment in fragments) == call.function.arguments
+    finally:
+        server.stop()
+        engine.adapters.close()
+        database.dispose()
 
 
 def _calling(choice: str = "required", parallel: bool = False) -> ToolCalling:
@@ -158,3 +194,15 @@ def test_stops_apply_to_the_free_text_before_the_calls() -> None:
     for text, hit in [('{"name": "a"}', None), ("A {text}", "stop_sequence")]:
         criteria = StopCriteria(SamplingParams(stop=("}",), tool_calling=llama), eos_token_ids=[0])
         assert [criteria.check(5, char) for char in text][-1] == hit
+
+
+def test_the_reader_takes_llama3_calls_only_where_they_open_the_reply() -> None:
+    llama = TOOL_CALL_FORMATS["llama3_json"]
+    text = llama.render_calls([("get_time", '{"zone": "CET"}'), ("get_weather", '{"city": "Oslo"}')])
+    assert text == '{"name": "get_time", "parameters": {"zone": "CET"}}; {"name": "get_weather", "parameters": {"city": "Oslo"}}'
+    reply = parse_reply("<|python_tag|>" + text[:-2], llama)
+    assert reply.content == "" and [(c.name, c.arguments, c.complete) for c in reply.calls] == [
+        ("get_time", '{"zone": "CET"}', True), ("get_weather", '{"city": "Oslo"', False)]
+    assert parse_reply("<|pyth", llama).held == len("<|pyth")
+    free = parse_reply("Sure: " + text, llama)
+    assert free.calls == () and free.content == "Sure: " + text and free.held == 0

@@ -22,7 +22,7 @@ from server.tenancy import create_tenant, create_token, list_tenants
 
 if TYPE_CHECKING:  # the engine's modules import torch: `python -m server tokens ...` does without
     from lora_runtime.config import EngineConfig
-    from lora_runtime.engine_info import EngineInfo
+    from lora_runtime.api import EngineInfo
     from server.adapter_sources import AdapterServices
 
 logger = logging.getLogger("server")

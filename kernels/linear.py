@@ -85,9 +85,9 @@ class CompiledLinear:
 
     __slots__ = ("compiled", "large")
 
-    def __init__(self, compiled: PackedLinear, weight: torch.Tensor) -> None:
+    def __init__(self, compiled: PackedLinear, weight: torch.Tensor, large_batches: bool = True) -> None:
         self.compiled = compiled
-        self.large = OneDNNLinear(weight) if compiled.max_rows is not None else None
+        self.large = OneDNNLinear(weight) if compiled.max_rows is not None and large_batches else None
 
     def __call__(self, x: torch.Tensor, reads: Reads = NO_READS) -> torch.Tensor:
         if self.large is not None and x.shape[0] > self.compiled.max_rows:

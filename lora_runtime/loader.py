@@ -144,7 +144,8 @@ def load_model(model_dir: Path, dtype: str, device: str, backend: kernels.Backen
         embed_tokens=embed,
         layers=[layers.layer(idx) for idx in range(shape.num_layers)],
         final_norm=layers.norm("model.norm.weight", shape.hidden_size),
-        lm_head=backend.linear(embed if tied else reader.get("lm_head.weight", (shape.vocab_size, shape.hidden_size))),
+        lm_head=backend.linear(embed if tied else reader.get("lm_head.weight", (shape.vocab_size, shape.hidden_size)),
+                               few_rows=True),
     )
     rotary = {key: _rotary(config, shape, key, torch_dtype, device) for key in set(features.layer_rope) - {None}}
     return LlamaModel(shape, weights, rotary, backend, features)

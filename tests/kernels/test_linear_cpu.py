@@ -213,3 +213,14 @@ def test_backend_projections_match_the_reference(cpu_backend, dtype: torch.dtype
         torch.testing.assert_close(linear(x), expected, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-2)
     compiled = cpu_backend.name == "cpu" and any(KIND_DTYPES[kind] == dtype for kind in available_kinds())
     assert isinstance(cpu_backend.linear(weight), CompiledLinear if compiled else PlainLinear)
+
+
+def test_a_head_is_held_in_the_compiled_form_alone_and_serves_any_batch(cpu_backend) -> None:
+    """The head (`few_rows`) keeps no oneDNN copy beside its compiled form (for a tied 128k-vocabulary
+    head, ~500 MB), and still computes x @ W.T for batches past the compiled kernel's `max_rows`."""
+    weight = _randn(64, 64, seed=2).to(torch.bfloat16)
+    head = cpu_backend.linear(weight, few_rows=True)
+    x = _randn(tuning.AMX_LINEAR_MAX_ROWS + 5, 64, seed=1).to(torch.bfloat16)
+    expected = (x.float() @ weight.float().T).to(torch.bfloat16)
+    torch.testing.assert_close(head(x), expected, atol=2e-2, rtol=1e-2)
+    assert not isinstance(head, CompiledLinear) or head.large is None

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from lora_runtime.errors import ValidationError
 
@@ -21,6 +22,27 @@ PENALTY_COUNTS: tuple[PenaltyCounts, ...] = ("output", "sequence_fraction")
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit on logit_bias entries
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 MAX_CACHE_SALT_CHARS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCalling:
+    """A chat request's tools as decoding needs them: each offered tool's (name, arguments schema),
+    the names a reply may call (none under tool_choice "none": the tools are only shown), whether
+    text may come first (`auto`), whether several calls may follow one another, and the call format:
+    "auto" (the one the chat template that renders the request writes: the adapter's own, else the
+    base model's) or a format's name. The engine resolves "auto" when it renders the prompt and
+    constrains the reply with the format's grammar (`lora_runtime.sampling.tool_grammar`)."""
+
+    tools: tuple[tuple[str, Mapping[str, Any]], ...]
+    callable_names: tuple[str, ...]
+    free_text_first: bool
+    parallel: bool
+    call_format: str = "auto"
+
+    @property
+    def reads_calls(self) -> bool:
+        """The reply may hold calls (its grammar is built, and it is read back for them)."""
+        return bool(self.callable_names)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +81,9 @@ class SamplingParams:
     regex: str | None = None
     # A grammar in llguidance's Lark dialect (the OpenAI routes' tool calls); not on the TGI wire.
     lark_grammar: str | None = None
+    # The OpenAI chat route's tools; the engine turns them into `lark_grammar` once it knows the
+    # chat template, and stop sequences then apply to the reply's free text only.
+    tool_calling: ToolCalling | None = None
     top_logprobs: int = 0
     apply_chat_template: bool = False
 
@@ -105,6 +130,8 @@ class SamplingParams:
     def _check_regex(self) -> None:
         if self.lark_grammar is not None and (self.schema is not None or self.regex is not None):
             raise ValidationError("lark_grammar", "give one of a schema, a regex or a Lark grammar")
+        if self.tool_calling is not None and (self.schema is not None or self.regex is not None):
+            raise ValidationError("tool_calling", "cannot be combined with a schema or a regex")
         if self.regex is None:
             return
         if not isinstance(self.regex, str):
@@ -248,6 +275,9 @@ class RequestOutput:
     times: RequestTimes | None = None
     error: Exception | None = None
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    # The format the reply's tool calls are written in (`lora_runtime.sampling.tools`), resolved
+    # from the chat template that rendered the request; None when the reply holds no calls.
+    tool_call_format: str | None = None
 
 
 @dataclass(slots=True, eq=False)

@@ -4,8 +4,13 @@ Decoding one token alone is wrong in two ways: byte-level tokens of a multi-byte
 U+FFFD until the character is complete, and some tokenizers drop a leading space at the start of a
 decode. So each step decodes a short window of preceding tokens and emits only the new suffix, and
 holds text back while it ends in an incomplete character.
+
+Special tokens add no text, except the ones a request keeps: the markers of its tool calls, which
+the reply is read back by (`lora_runtime.sampling.tool_grammar`); each adds its own text.
 """
 from __future__ import annotations
+
+from collections.abc import Collection
 
 # Tokens of context decoded before the new ones, enough for any merge to settle.
 _CONTEXT_TOKENS = 6
@@ -15,9 +20,10 @@ _INCOMPLETE = "\ufffd"
 class IncrementalDetokenizer:
     """Per-request state: feed generated token ids one at a time, get the new text of each."""
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], kept_special_ids: Collection[int] = ()) -> None:
         self._tokenizer = tokenizer
-        self._special_ids = set(tokenizer.all_special_ids)
+        self._special_ids = set(tokenizer.all_special_ids) | set(kept_special_ids)
+        self._kept_special_ids = frozenset(kept_special_ids)
         context = [t for t in prompt_token_ids[-_CONTEXT_TOKENS:] if t not in self._special_ids]
         self._token_ids: list[int] = list(context)
         self._prefix_offset = 0
@@ -33,7 +39,12 @@ class IncrementalDetokenizer:
 
     def add_token(self, token_id: int) -> str:
         """Append a generated token; return the text it completes ('' while a character is partial).
-        Special tokens add no text (they are skipped, as in the final decode)."""
+        Special tokens add no text (they are skipped, as in the final decode), but for kept ones,
+        which add theirs (outside the decoding window, which skips them as any special token)."""
+        if token_id in self._kept_special_ids:
+            piece = self.token_text(token_id)
+            self.text += piece
+            return piece
         if token_id in self._special_ids:
             return ""
         self._token_ids.append(token_id)

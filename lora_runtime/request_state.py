@@ -8,6 +8,8 @@ from lora_runtime.core import PrefillToken, Request, RequestOutput, RequestTimes
 from lora_runtime.detokenizer import IncrementalDetokenizer
 from lora_runtime.sampling.sampler import SamplingState, TokenizerInfo, TopPairs
 from lora_runtime.sampling.stop import StopCriteria
+from lora_runtime.sampling.tool_grammar import special_marker_ids
+from lora_runtime.sampling.tools import TOOL_CALL_FORMATS
 
 
 class RequestState:
@@ -17,7 +19,9 @@ class RequestState:
         self.tokenizer_info = info
         self.sampling = SamplingState(request.params, request.prompt_token_ids, info, candidate_index)
         self.candidate_index = candidate_index
-        self.detokenizer = IncrementalDetokenizer(info.tokenizer, request.prompt_token_ids)
+        self.tool_call_format = _tool_call_format(request)
+        self.detokenizer = IncrementalDetokenizer(info.tokenizer, request.prompt_token_ids,
+                                                  _kept_special_ids(info, self.tool_call_format))
         self.stop = StopCriteria(request.params, info.eos_token_ids)
         self.tokens: list[TokenInfo] = []
         self.prompt_logprobs: list[float | None] = [None] * request.num_prompt_tokens
@@ -92,4 +96,19 @@ class RequestState:
             times=self.times,
             error=self.error,
             num_cached_tokens=request.num_cached_tokens,
+            tool_call_format=self.tool_call_format,
         )
+
+
+def _tool_call_format(request: Request) -> str | None:
+    """The format the reply's calls are written in, when it may hold calls (resolved by the engine)."""
+    calling = request.params.tool_calling
+    return calling.call_format if calling is not None and calling.reads_calls else None
+
+
+def _kept_special_ids(info: TokenizerInfo, call_format: str | None) -> tuple[int, ...]:
+    """The special tokens that are the request's call markers: kept in its text, which the calls
+    are read back from."""
+    if call_format is None:
+        return ()
+    return tuple(special_marker_ids(info.tokenizer, TOOL_CALL_FORMATS[call_format]).values())

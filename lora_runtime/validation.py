@@ -7,24 +7,28 @@ import dataclasses
 from lora_runtime.core import SamplingParams
 from lora_runtime.errors import ValidationError
 from lora_runtime.sampling.chat import render_chat_prompt
+from lora_runtime.sampling.tool_grammar import with_tool_grammar
 
 
 def prepare_prompt(
     prompt: str | list[int], params: SamplingParams, engine, chat_template: str | None = None
 ) -> tuple[str | None, list[int], SamplingParams]:
     """Render the chat template if asked, tokenize (or take) the prompt, apply `truncate`, and check
-    lengths and limits. `chat_template` is the adapter's own, else the base model's is used.
+    lengths and limits. `chat_template` is the adapter's own, else the base model's is used; it
+    also decides the format of the request's tool calls and so their grammar.
 
     Returns (prompt text or None, prompt token ids after truncation, `params` with `max_new_tokens`
-    resolved when it was None).
+    resolved when it was None and the tool calls' format and grammar when it has tools).
     """
     check_limits(params, engine.config.limits)
+    params = with_tool_grammar(params, chat_template or engine.tokenizer.chat_template, engine.tokenizer)
     if isinstance(prompt, str):
         if not prompt:
             raise ValidationError("inputs", "must not be empty")
         if params.apply_chat_template:
             # The rendered template already holds the special tokens: do not add them again.
-            prompt_text = render_chat_prompt(prompt, engine.tokenizer, chat_template)
+            call_format = params.tool_calling.call_format if params.tool_calling is not None else "auto"
+            prompt_text = render_chat_prompt(prompt, engine.tokenizer, chat_template, call_format)
             token_ids = engine.tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
         else:
             prompt_text, token_ids = prompt, engine.tokenizer(prompt)["input_ids"]

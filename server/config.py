@@ -7,7 +7,7 @@ from pathlib import Path
 
 # --tool-call-format's values: "auto" and lora_runtime.sampling.tools.TOOL_CALL_FORMATS' names (spelt
 # out here: the CLI does not import the engine's modules, which import torch).
-TOOL_CALL_FORMAT_CHOICES = ("auto", "hermes", "mistral")
+TOOL_CALL_FORMAT_CHOICES = ("auto", "hermes", "mistral", "llama3_json")
 # The adapters registered for tenant `demo` on a first start: `demo_adapters/<name>/` of this repo.
 DEFAULT_DEMO_ADAPTERS_DIR = Path(__file__).resolve().parents[1] / "demo_adapters"
 
@@ -40,8 +40,8 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20
     # Caps max_new_tokens below the context length when set (operators use it to bound latency).
     max_new_tokens_limit: int | None = None
-    # How models write tool calls (lora_runtime.sampling.tools): "auto" picks it from the base
-    # model's chat template, else "hermes" or "mistral".
+    # How models write tool calls (lora_runtime.sampling.tools): "auto" picks it per request from the
+    # chat template that renders it (the adapter's own, else the base model's), else a format's name.
     tool_call_format: str = "auto"
     keepalive_s: float = 15.0
     retry_after_s: int = 1

@@ -73,8 +73,10 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
                              "tell, from cached_tokens or timing, whether another sent a given prefix")
     parser.add_argument("--tool-call-format", choices=TOOL_CALL_FORMAT_CHOICES, default=_DEFAULTS.tool_call_format,
                         help="how the model writes tool calls on the OpenAI chat route: hermes "
-                             "(<tool_call>{...}</tool_call>) or mistral ([TOOL_CALLS][...]); auto: "
-                             "from the base model's chat template, hermes when it names neither")
+                             "(<tool_call>{...}</tool_call>), mistral ([TOOL_CALLS][...]) or llama3_json "
+                             "({\"name\": ..., \"parameters\": ...}); auto: per request, from the chat "
+                             "template that renders it (the adapter's own, else the base model's), "
+                             "hermes when it shows none")
 
 
 def _add_limit_options(parser: argparse.ArgumentParser) -> None:

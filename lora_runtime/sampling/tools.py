@@ -1,16 +1,13 @@
-"""Tool calls: the text format a model writes them in, the llguidance grammar that makes every call
-well formed, and the prompt that offers the tools when the chat template cannot.
+"""Tool calls: the text format a model writes them in, which format a chat template writes, and the
+prompt that offers the tools when the chat template cannot. The grammar that keeps every call well
+formed is `lora_runtime.sampling.tool_grammar`.
 
 A format is a family's own markup around a list of calls, each `{"name": N, "arguments": A}` with
 compact separators: Hermes / Qwen `<tool_call>\\n{...}\\n</tool_call>` (one block per call), Mistral
-`[TOOL_CALLS][{...}, {...}]`. It is picked from the chat template (a template that writes
-`[TOOL_CALLS]` is Mistral's) or by the operator; Hermes otherwise, since it is what most open models
-fine-tuned for tools write.
-
-The grammar constrains from the first token (`required`, a named tool), or under `auto` leaves the
-text free until the format's trigger appears (a lazy lexeme: llguidance ends the free text at the
-first trigger), then forces the calls. Each call's arguments follow that tool's JSON schema
-(llguidance's `%json`), with the same compact separators as `response_format`.
+`[TOOL_CALLS][{...}, {...}]`, Llama 3.x's JSON calls `{"name": N, "parameters": A}` (several
+joined by "; "), which open the reply, bare or after `<|python_tag|>`. It is picked from the chat
+template that renders the request (each writes its own markers) or by the operator; Hermes
+otherwise, since it is what most open models fine-tuned for tools write.
 """
 from __future__ import annotations
 
@@ -20,14 +17,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from lora_runtime.errors import ValidationError
-from lora_runtime.sampling.schema import JSON_COMPILE_OPTIONS
 
 
 @dataclass(frozen=True, slots=True)
 class ToolCallFormat:
-    """`begin` call (`separator` call)* `end`; `trigger` (a prefix of `begin`) marks a call's start
-    in free text. Tool results go back to a template that does not know tools between
-    `result_open` and `result_close`, as a user turn."""
+    """`begin` call (`separator` call)* `end`. `trigger` marks the calls' start: in free text
+    anywhere (a prefix of `begin`), or, when `opens_reply`, only as the reply's optional first
+    marker (the calls then open the reply, with or without it). `markers` are the literals that
+    tokenizers may hold as one special token. Tool results go back to a template that does not know
+    tools between `result_open` and `result_close`, as a user turn."""
 
     name: str
     trigger: str
@@ -36,7 +34,9 @@ class ToolCallFormat:
     end: str
     result_open: str
     result_close: str
+    markers: tuple[str, ...]
     arguments_key: str = "arguments"
+    opens_reply: bool = False
 
     def call_head(self, name: str) -> str:
         """The literal text of a call before its arguments."""
@@ -50,67 +50,31 @@ class ToolCallFormat:
 
 TOOL_CALL_FORMATS: dict[str, ToolCallFormat] = {
     "hermes": ToolCallFormat("hermes", "<tool_call>", "<tool_call>\n", "\n</tool_call>\n<tool_call>\n",
-                             "\n</tool_call>", "<tool_response>\n", "\n</tool_response>"),
+                             "\n</tool_call>", "<tool_response>\n", "\n</tool_response>",
+                             markers=("<tool_call>", "</tool_call>")),
     "mistral": ToolCallFormat("mistral", "[TOOL_CALLS]", "[TOOL_CALLS][", ", ", "]",
-                              "[TOOL_RESULTS]", "[/TOOL_RESULTS]"),
+                              "[TOOL_RESULTS]", "[/TOOL_RESULTS]", markers=("[TOOL_CALLS]",)),
+    "llama3_json": ToolCallFormat("llama3_json", "<|python_tag|>", "", "; ", "", "Tool result: ", "",
+                                  markers=("<|python_tag|>",), arguments_key="parameters", opens_reply=True),
 }
+# What in a chat template shows the format it writes, checked in this order: Mistral's marker,
+# Hermes / Qwen's, then Llama 3.x's (its tool results go back as the `ipython` role).
+_TEMPLATE_SIGNS = (("[TOOL_CALLS]", "mistral"), ("<tool_call>", "hermes"), ("<|python_tag|>", "llama3_json"),
+                   ("ipython", "llama3_json"))
 
 
 def tool_call_format(chat_template: str | None, configured: str = "auto") -> ToolCallFormat:
-    """The operator's format, or under "auto" the one the chat template writes (Hermes by default)."""
+    """The operator's (or request's) format, or under "auto" the one the chat template writes
+    (Hermes by default)."""
     if configured != "auto":
         return TOOL_CALL_FORMATS[configured]
-    if chat_template and "[TOOL_CALLS]" in chat_template:
-        return TOOL_CALL_FORMATS["mistral"]
-    return TOOL_CALL_FORMATS["hermes"]
+    name = next((name for sign, name in _TEMPLATE_SIGNS if chat_template and sign in chat_template), "hermes")
+    return TOOL_CALL_FORMATS[name]
 
 
 def template_knows_tools(chat_template: str) -> bool:
     """The template renders `tools` itself (transformers passes them as the `tools` variable)."""
     return "tools" in chat_template
-
-
-@dataclass(frozen=True, slots=True)
-class ToolGrammarRequest:
-    """What the grammar needs: each offered tool's (name, arguments schema), which of them may be
-    called (all, or the one tool_choice names), whether the text may stay free (`auto`), and
-    whether several calls may follow one another."""
-
-    tools: tuple[tuple[str, Mapping[str, Any]], ...]
-    callable_names: tuple[str, ...]
-    free_text_first: bool
-    parallel: bool
-
-
-def tool_call_grammar(request: ToolGrammarRequest, fmt: ToolCallFormat) -> str:
-    """The Lark grammar (llguidance's dialect) of a reply under `request`."""
-    schemas = dict(request.tools)
-    alternatives = " | ".join(f"call_{index}" for index in range(len(request.callable_names)))
-    calls = "call (SEPARATOR call)*" if request.parallel else "call"
-    lines = ["%llguidance {}"]
-    if request.free_text_first:
-        rest = fmt.begin[len(fmt.trigger):]
-        lines += [f"start: TEXT | trigger {_literal(rest)} calls {_literal(fmt.end)}",
-                  f"trigger[lazy]: TEXT {_literal(fmt.trigger)}",
-                  r"TEXT: /(.|\n)*/"]
-    else:
-        lines.append(f"start: {_literal(fmt.begin)} calls {_literal(fmt.end)}")
-    lines += [f"calls: {calls}", f"call: {alternatives}", f"SEPARATOR: {_literal(fmt.separator)}"]
-    for index, name in enumerate(request.callable_names):
-        schema = json.dumps(_compact(schemas[name]))
-        lines.append(f"call_{index}: {_literal(fmt.call_head(name))} %json {schema} \"}}\"")
-    return "\n".join(lines) + "\n"
-
-
-def _literal(text: str) -> str:
-    # Lark's string literals take JSON's escapes.
-    return json.dumps(text)
-
-
-def _compact(schema: Mapping[str, Any]) -> dict[str, Any]:
-    """The schema with the compact separators, unless it sets its own llguidance options."""
-    options = {**JSON_COMPILE_OPTIONS, **schema.get("x-guidance", {})}
-    return {**schema, "x-guidance": options}
 
 
 _DEFAULT_TOOL_PROMPT = "You can call the following functions (JSON schemas, one per line):"

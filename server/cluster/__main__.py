@@ -17,17 +17,26 @@ from server.cluster.app import APP_NAME, application, cluster_parser
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args = cluster_parser().parse_args(argv)
+    parser = cluster_parser()
+    args = parser.parse_args(argv)
     import ray
     from ray import serve
 
-    ray.init(address=args.address, include_dashboard=False)
+    try:  # before Ray starts: a refused option (more replicas than cores) costs nothing
+        app = application(args)
+    except ValueError as error:
+        parser.error(str(error))
+    # Ray starts its workers at niceness 15, so that its daemons keep the CPU under load; here the
+    # workers are the service (replicas, ingress, proxy): at 15 any other work on the machine would
+    # take their cores first.
+    local_start = {"_system_config": {"worker_niceness": 0}} if args.address is None else {}
+    ray.init(address=args.address, include_dashboard=False, **local_start)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(application(args), name=APP_NAME, route_prefix="/")
+        serve.run(app, name=APP_NAME, route_prefix="/")
         sys.stdout.write(f"serving on http://{args.host}:{args.port} with {args.replicas} engine replicas\n")
         sys.stdout.flush()
         stop.wait()

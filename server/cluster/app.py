@@ -26,6 +26,7 @@ from server.cluster import view
 from server.cluster.remote import RemoteEngine
 from server.cluster.replica import EngineReplica, ReplicaDirectory
 from server.config import ServerConfig
+from server.cpu_placement import allowed_cores, numa_nodes, split_cores
 from server.db import open_database
 from server.launch import add_service_options, engine_config, prepare_service, server_config
 from server.registry.models import RegistryBase
@@ -47,7 +48,8 @@ def cluster_parser(prog: str = "python -m server.cluster") -> argparse.ArgumentP
     cluster.add_argument("--address", default=None,
                          help="Ray cluster to join, e.g. ray://head:10001 or auto (default: start a local one)")
     cluster.add_argument("--threads-per-replica", type=int, default=None,
-                         help="compute threads of each replica's engine (default: this machine's CPUs / replicas)")
+                         help="compute threads of each replica's engine (default: one per core of the replica's "
+                              "own set of this machine's physical cores; with --address, the machine's CPUs / replicas)")
     cluster.add_argument("--replica-cpus", type=float, default=0.0,
                          help="CPUs Ray reserves for each engine replica (default 0: none, so that N replicas "
                               "start on a machine with fewer CPUs)")
@@ -64,12 +66,18 @@ def build_app(args: dict[str, Any]) -> Application:
             argv.append(flag)
         elif value is not None and value is not False:
             argv += [flag, str(value)]
-    return application(cluster_parser().parse_args(argv))
+    # Serve places these replicas over the cluster's machines, not on the one building the app.
+    return application(cluster_parser().parse_args(argv), replicas_on_this_machine=False)
 
 
-def application(args: argparse.Namespace) -> Application:
+def application(args: argparse.Namespace, replicas_on_this_machine: bool | None = None) -> Application:
+    """`replicas_on_this_machine` (default: unless `--address` names a cluster): each replica then
+    runs on a set of this machine's cores of its own (ValueError past one replica per core)."""
     if args.replicas < 1:
         raise ValueError("--replicas must be >= 1")
+    if replicas_on_this_machine is None:
+        replicas_on_this_machine = args.address is None
+    core_sets = _replica_core_sets(args.replicas) if replicas_on_this_machine else None
     # Replicas run in other processes, possibly on other machines' working directories.
     for name in ("data_dir", "adapter_dir", "deployments", "demo_adapters"):
         if getattr(args, name) is not None:
@@ -78,8 +86,7 @@ def application(args: argparse.Namespace) -> Application:
     config.data_dir.mkdir(parents=True, exist_ok=True)
     # The schema (and SQLite's WAL mode) made once, here, before replicas open it concurrently.
     open_database(config.resolved_database_url, other_metadata=[RegistryBase.metadata]).dispose()
-    threads = args.threads_per_replica or max(1, (os.cpu_count() or 1) // args.replicas)
-    engine = dataclasses.replace(engine_config(args), num_threads=threads)
+    engine = dataclasses.replace(engine_config(args), num_threads=_threads_per_replica(args, core_sets))
     # Its calls (two per replica a second) stay out of Serve's access log.
     directory = serve.deployment(ReplicaDirectory, num_replicas=1, ray_actor_options={"num_cpus": 0},
                                  logging_config={"enable_access_log": False}).bind()
@@ -90,12 +97,26 @@ def application(args: argparse.Namespace) -> Application:
         EngineReplica, num_replicas=args.replicas, max_ongoing_requests=config.max_in_flight,
         max_queued_requests=ingress_config.max_in_flight, ray_actor_options={"num_cpus": args.replica_cpus},
         graceful_shutdown_timeout_s=config.shutdown_deadline_s + _SHUTDOWN_MARGIN_S,
-    ).bind(config, engine, directory)
+    ).bind(config, engine, directory, core_sets)
     return serve.deployment(
         Ingress, max_ongoing_requests=ingress_config.max_in_flight + _CONTROL_HEADROOM,
         ray_actor_options={"num_cpus": 0},
         graceful_shutdown_timeout_s=config.shutdown_deadline_s + _SHUTDOWN_MARGIN_S,
     ).bind(ingress_config, engines, directory)
+
+
+def _replica_core_sets(num_replicas: int) -> tuple[tuple[int, ...], ...]:
+    """A set of this process's physical cores for each replica (`split_cores`)."""
+    return tuple(split_cores(allowed_cores(), numa_nodes(), num_replicas))
+
+
+def _threads_per_replica(args: argparse.Namespace, core_sets: tuple[tuple[int, ...], ...] | None) -> int | None:
+    """As given (`--threads-per-replica`, else `--threads`); else None where each replica has its own
+    cores (one thread per core, the replica decides); else this machine's CPUs shared out."""
+    threads = args.threads_per_replica or args.threads
+    if threads is None and core_sets is None:
+        threads = max(1, (os.cpu_count() or 1) // args.replicas)
+    return threads
 
 
 @serve.ingress()

@@ -29,6 +29,7 @@ from server.adapter_sources import engine_adapter_sources
 from server.cluster.remote import REPORT_INTERVAL_S
 from server.cluster.wire import Accepted, Failed, ReplicaReport
 from server.config import ServerConfig
+from server.cpu_placement import pin_this_process
 from server.db import open_database
 from server.registry.models import RegistryBase
 
@@ -38,9 +39,11 @@ logger = logging.getLogger(__name__)
 class EngineReplica:
     """Deployed by `server.cluster.app` with `max_ongoing_requests` = the engine's admission bound."""
 
-    async def __init__(self, config: ServerConfig, engine_config: EngineConfig, directory: DeploymentHandle) -> None:
+    async def __init__(self, config: ServerConfig, engine_config: EngineConfig, directory: DeploymentHandle,
+                       core_sets: tuple[tuple[int, ...], ...] | None = None) -> None:
         self._publisher: asyncio.Task | None = None  # what `__del__` stops, also after a failed start
         self._engine: AsyncEngine | None = None
+        engine_config = _on_own_cores(engine_config, core_sets)
         database = open_database(config.resolved_database_url, other_metadata=[RegistryBase.metadata])
         engine = Engine.from_config(engine_config, adapter_sources=engine_adapter_sources(config, database))
         self._engine = AsyncEngine(engine)
@@ -102,6 +105,22 @@ class EngineReplica:
             with contextlib.suppress(Exception):  # the directory restarting: publish again next time
                 await self._directory.publish.remote(self._report())
             await asyncio.sleep(REPORT_INTERVAL_S)
+
+
+def _on_own_cores(config: EngineConfig, core_sets: tuple[tuple[int, ...], ...] | None) -> EngineConfig:
+    """Pin this replica's process to its set of cores (the set of its rank among the replicas on
+    this machine; a set shared, with a warning, where Serve runs more replicas than sets for a while),
+    before its engine loads: one compute thread per core unless configured."""
+    if core_sets is None:
+        return config
+    rank = serve.get_replica_context().rank.local_rank
+    cores = core_sets[rank % len(core_sets)]
+    if rank >= len(core_sets):
+        logger.warning("replica of rank %d beyond the %d core sets: sharing cores %s", rank, len(core_sets), cores)
+    pin_this_process(cores)
+    num_threads = config.num_threads or len(cores)
+    logger.info("engine replica of rank %d on cores %s, %d compute threads", rank, ",".join(map(str, cores)), num_threads)
+    return dataclasses.replace(config, num_threads=num_threads)
 
 
 async def _note_adapter(model_id: str) -> str:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lora_runtime.core import RequestOutput, SamplingParams, TokenInfo, TopToken
-from lora_runtime.sampling.tools import ToolCallFormat
+from lora_runtime.sampling.tools import TOOL_CALL_FORMATS
 from server.errors import ApiError, openai_error_body
 from server.openai_api.tool_calls import ParsedCall, ParsedReply, new_call_id, parse_reply
 from server.responses import finite, sse_event
@@ -183,18 +183,16 @@ class ChatAnswer(_OpenAIAnswer):
     chunk_object_name = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def __init__(self, model: str, params: SamplingParams, n: int, include_usage: bool,
-                 logprobs: bool, tool_format: ToolCallFormat | None = None) -> None:
+    def __init__(self, model: str, params: SamplingParams, n: int, include_usage: bool, logprobs: bool) -> None:
         super().__init__(model, params, n, include_usage)
         self.logprobs = logprobs
-        self.tool_format = tool_format  # None: the reply is text, not parsed for tool calls
 
     def _choice(self, index: int, output: RequestOutput) -> dict[str, Any]:
         text = visible_text(output, self.params.stop)
         message: dict[str, Any] = {"role": "assistant", "content": text}
         calls: tuple[ParsedCall, ...] = ()
-        if self.tool_format is not None:
-            reply = parse_reply(text, self.tool_format)
+        if output.tool_call_format is not None:
+            reply = parse_reply(text, TOOL_CALL_FORMATS[output.tool_call_format])
             calls = reply.calls
             if calls:
                 message["content"] = reply.content or None
@@ -205,9 +203,9 @@ class ChatAnswer(_OpenAIAnswer):
 
     def _stream_text(self, choice: RequestOutput, progress: _ChoiceProgress) -> str:
         text = visible_text(choice, self.params.stop)
-        if self.tool_format is None:
+        if choice.tool_call_format is None:
             return text
-        progress.reply = parse_reply(text, self.tool_format)
+        progress.reply = parse_reply(text, TOOL_CALL_FORMATS[choice.tool_call_format])
         held = 0 if choice.finish_reason is not None else progress.reply.held
         return progress.reply.content[: len(progress.reply.content) - held]
 

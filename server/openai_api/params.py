@@ -41,6 +41,11 @@ _ROLE_ALIASES = {"developer": "system"}
 _TGI_CLIENT_MODEL = "tgi"
 
 
+def is_tgi_client(body: ChatCompletionRequest | CompletionRequest) -> bool:
+    """The request comes from TGI's own client, which reads TGI's stream shapes."""
+    return body.model == _TGI_CLIENT_MODEL
+
+
 def is_base_model(model: str | None, deployment: Deployment) -> bool:
     """`model` names no adapter: empty, the deployment's base model, the deployment itself, or
     TGI's client's placeholder."""
@@ -75,8 +80,8 @@ def chat_sampling_params(body: ChatCompletionRequest, config: ServerConfig, tool
         values["top_logprobs"] = body.top_logprobs or 0
     if body.response_format is not None and body.response_format.get("type") != "text":
         values["schema"] = _response_format_schema(body.response_format)
-    if tools is not None and tools.grammar is not None:
-        values["lark_grammar"] = tools.grammar
+    if tools is not None:
+        values["tool_calling"] = tools.calling
     values["apply_chat_template"] = True
     return _sampling_params(values, config, bool(body.stream))
 
@@ -102,13 +107,13 @@ def completion_sampling_params(body: CompletionRequest, config: ServerConfig) ->
 
 def chat_inputs(messages: list[ChatMessage], tools: ToolPlan | None) -> str:
     """The messages as the engine's `apply_chat_template` input: a JSON list of {role, content}
-    (with the tool-calling fields), or with tools the object {messages, tools, tool_call_format}."""
+    (with the tool-calling fields), or with tools the object {messages, tools, tool_prompt}."""
     if not messages:
         raise ValidationError("messages", "must not be empty")
     rendered = [_chat_message(message, index) for index, message in enumerate(messages)]
     if tools is None:
         return json.dumps(rendered)
-    document = {"messages": rendered, "tools": list(tools.tools), "tool_call_format": tools.fmt.name}
+    document = {"messages": rendered, "tools": list(tools.tools)}
     if tools.tool_prompt is not None:
         document["tool_prompt"] = tools.tool_prompt
     return json.dumps(document)
@@ -153,7 +158,7 @@ def wire_name(field: str, body: ChatCompletionRequest | CompletionRequest) -> st
     if field == "best_of":
         return "best_of" if not is_chat and body.best_of is not None else "n"
     names = {"inputs": "messages" if is_chat else "prompt", "apply_chat_template": "messages",
-             "schema": "response_format", "lark_grammar": "tools", "decoder_input_details": "echo",
+             "schema": "response_format", "lark_grammar": "tools", "tool_calling": "tools", "decoder_input_details": "echo",
              "top_logprobs": "top_logprobs" if is_chat else "logprobs",
              "penalty_counts": "frequency_penalty", "adapter_id": "model"}
     return names.get(field, field)

@@ -19,7 +19,6 @@ from starlette.concurrency import run_in_threadpool
 
 from lora_runtime.core import CacheScope
 from lora_runtime.errors import EngineError, ValidationError
-from lora_runtime.sampling.tools import tool_call_format
 from server.auth import authorize_tenant
 from server.body import read_model
 from server.deployments import resolve_deployment
@@ -31,6 +30,7 @@ from server.openai_api.params import (
     chat_sampling_params,
     completion_prompts,
     completion_sampling_params,
+    is_tgi_client,
     wire_name,
 )
 from server.openai_api.protocol import (
@@ -39,6 +39,7 @@ from server.openai_api.protocol import (
     ModelCard,
     ModelList,
 )
+from server.openai_api.tgi_chat import TgiChatAnswer
 from server.openai_api.tools import tool_plan
 from server.fan_out import fan_out_requests
 from server.params import adapter_scope
@@ -147,13 +148,12 @@ async def _named_for(body: Body, answer: Awaitable[Response]) -> Response:
 
 def _chat_call(body: ChatCompletionRequest, state: ServerState, deployment: Deployment,
                tenant: str) -> EngineCall:
-    tools = tool_plan(body, tool_call_format(state.engine_info.tokenizer.chat_template,
-                                             state.config.tool_call_format))
+    tools = tool_plan(body, state.config.tool_call_format)
     params = chat_sampling_params(body, state.config, tools)
     adapter, adapter_headers = adapter_for(body, adapter_scope(tenant, deployment, state.config))
-    answer = ChatAnswer(_model_name(body, deployment), params, params.best_of, _include_usage(body),
-                        logprobs=bool(body.logprobs),
-                        tool_format=tools.fmt if tools is not None and tools.parses_calls else None)
+    answer_type = TgiChatAnswer if is_tgi_client(body) else ChatAnswer
+    answer = answer_type(_model_name(body, deployment), params, params.best_of, _include_usage(body),
+                         logprobs=bool(body.logprobs))
     prompt = chat_inputs(body.messages, tools)
     requests, choices_per_request = fan_out_requests([prompt], params, params.best_of, bool(body.stream))
     return EngineCall(prompt=prompt, params=params, adapter=adapter,

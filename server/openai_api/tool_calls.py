@@ -29,11 +29,24 @@ class ParsedReply:
 
 
 def parse_reply(text: str, fmt: ToolCallFormat) -> ParsedReply:
+    if fmt.opens_reply:
+        return _reply_opened_by_calls(text, fmt)
     start = text.find(fmt.trigger)
     if start < 0:
         held = max((size for size in range(1, len(fmt.trigger)) if text.endswith(fmt.trigger[:size])), default=0)
         return ParsedReply(text, (), held)
     return ParsedReply(text[:start], tuple(_calls(text[start:], fmt)), 0)
+
+
+def _reply_opened_by_calls(text: str, fmt: ToolCallFormat) -> ParsedReply:
+    """A reply whose calls, if any, open it (after the optional trigger); the text so far is held
+    while it may still become the trigger."""
+    body = text.removeprefix(fmt.trigger)
+    if body.startswith("{"):
+        return ParsedReply("", tuple(_calls(body, fmt)), 0)
+    if fmt.trigger.startswith(text):
+        return ParsedReply(text, (), len(text))
+    return ParsedReply(text, (), 0)
 
 
 def new_call_id() -> str:

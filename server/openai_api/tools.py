@@ -1,6 +1,8 @@
 """OpenAI tool calling on the chat route: the request's `tools`, `tool_choice` and
-`parallel_tool_calls` checked and turned into the engine's grammar (`lora_runtime.sampling.tools`),
-and the history's tool calls and results into the chat template's input (docs/api.md section 8).
+`parallel_tool_calls` checked and turned into the engine's `ToolCalling` (which the engine makes a
+grammar of, in the format of the chat template that renders the request:
+`lora_runtime.sampling.tool_grammar`), and the history's tool calls and results into the chat
+template's input (docs/api.md section 8).
 
 Every tool's `parameters` must be a valid JSON schema (jsonschema's metaschema check) that
 llguidance can enforce; each is checked on its own so that a refusal names the tool.
@@ -15,38 +17,33 @@ from typing import Any
 import jsonschema
 import llguidance
 
+from lora_runtime.core import ToolCalling
 from lora_runtime.errors import ValidationError
 from lora_runtime.sampling.schema import JSON_COMPILE_OPTIONS
-from lora_runtime.sampling.tools import ToolCallFormat, ToolGrammarRequest, tool_call_grammar
 from server.openai_api.protocol import ChatCompletionRequest
 
 MAX_TOOLS = 128
-# The engine compiles a request's grammar on its loop thread, between steps: these bound that
-# pause (a 43 KB grammar of 16 tools with 12 arguments each: ~80 ms to check and compile on one
-# CPU core, growing about linearly) and name the tool that exceeds them.
+# The engine compiles a request's grammar on its loop thread, between steps: this bounds each
+# tool's share of that pause and names the tool that exceeds it (the whole grammar's bound:
+# lora_runtime.sampling.tool_grammar.MAX_GRAMMAR_CHARS).
 MAX_SCHEMA_CHARS = 16 * 1024
-MAX_GRAMMAR_CHARS = 64 * 1024
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
 @dataclass(frozen=True, slots=True)
 class ToolPlan:
-    """What one chat request does with tools: the tools for the prompt (OpenAI's shape), the
-    grammar (None: no constraint, under tool_choice none), and the format replies are parsed in."""
+    """What one chat request does with tools: the tools for the prompt (OpenAI's shape) and what
+    decoding does with them."""
 
     tools: tuple[dict[str, Any], ...]
-    grammar: str | None
-    fmt: ToolCallFormat
+    calling: ToolCalling
     tool_prompt: str | None = None  # TGI's: the text that introduces the tools
 
-    @property
-    def parses_calls(self) -> bool:
-        return self.grammar is not None
 
-
-def tool_plan(body: ChatCompletionRequest, fmt: ToolCallFormat) -> ToolPlan | None:
-    """None when the request offers no tools."""
+def tool_plan(body: ChatCompletionRequest, call_format: str) -> ToolPlan | None:
+    """None when the request offers no tools; `call_format` is the operator's ("auto": the chat
+    template's)."""
     if body.functions or body.function_call not in (None, "none", "auto"):
         raise ValidationError("functions" if body.functions else "function_call",
                               "the deprecated functions API is not supported: send tools")
@@ -58,15 +55,9 @@ def tool_plan(body: ChatCompletionRequest, fmt: ToolCallFormat) -> ToolPlan | No
         raise ValidationError("response_format", "cannot be combined with tools")
     schemas = _checked_tools(body.tools)
     callable_names, free_text_first = _choice(body.tool_choice, schemas)
-    grammar = None
-    if callable_names:
-        request = ToolGrammarRequest(tuple(schemas.items()), callable_names, free_text_first,
-                                     parallel=body.parallel_tool_calls is not False)
-        grammar = tool_call_grammar(request, fmt)
-        if len(grammar) > MAX_GRAMMAR_CHARS:
-            raise ValidationError("tools", f"the offered tools' grammar is {len(grammar)} characters; "
-                                           f"at most {MAX_GRAMMAR_CHARS} (offer fewer or smaller schemas)")
-    return ToolPlan(tuple(body.tools), grammar, fmt, body.tool_prompt)
+    calling = ToolCalling(tuple(schemas.items()), callable_names, free_text_first,
+                          parallel=body.parallel_tool_calls is not False, call_format=call_format)
+    return ToolPlan(tuple(body.tools), calling, body.tool_prompt)
 
 
 def _checked_tools(tools: list[Any]) -> dict[str, dict[str, Any]]:

@@ -345,9 +345,12 @@ int64_t column_parts(const std::vector<SliceCost>& costs, double rows, double ba
       heaviest = std::max(heaviest, cost);
       total += cost;
     }
-    const double score = std::max(heaviest, bar) + (total - whole) / static_cast<double>(num_threads);
-    if (score < best_score) best = parts, best_score = score;
-    if (heaviest <= bar) break;  // more parts only add work
+    const double extra = (total - whole) / static_cast<double>(num_threads);
+    if (std::max(heaviest, bar) + extra < best_score) best = parts, best_score = std::max(heaviest, bar) + extra;
+    // More parts only add work once the heaviest is at the bar, or once the work they add alone
+    // outweighs the best score (it grows with the parts): the search stops there, as it runs
+    // serially before the op (a wide projection has dozens of candidate counts).
+    if (heaviest <= bar || bar + extra >= best_score) break;
   }
   return best;
 }

@@ -157,7 +157,7 @@ void run_tasks(Kernel kernel, const Args& args, int64_t num_tasks, int64_t grain
   at::parallel_for(0, num_tasks, grain, [&](int64_t begin, int64_t end) { kernel(args, begin, end); });
 }
 
-// Tasks whose costs differ: thread t runs tasks [starts[t], starts[t + 1]) (cpu_ops::balanced_starts).
+// Tasks whose costs differ: thread t runs tasks [starts[t], starts[t + 1]) (cpu_ops::balance_tasks).
 template <typename Args, typename Kernel>
 void run_balanced(Kernel kernel, const Args& args, const std::vector<int64_t>& starts) {
   TORCH_CHECK(kernel != nullptr, "this form has no such kernel");
@@ -376,8 +376,8 @@ void add_segment_tasks(const int64_t* segment, const std::vector<SliceCost>& cos
 }
 
 // The tasks of `n` segments [n][3] and their split over PyTorch's threads: tasks of about
-// 1 / kLoraTasksPerThread of a thread's share (never below kLoraMinTaskFlops), handed out in order,
-// each thread a contiguous range of about equal FLOPs. On one thread: the segments as they are.
+// 1 / kLoraTasksPerThread of a thread's share (never below kLoraMinTaskFlops), regrouped into one
+// range a thread of about equal FLOPs (cpu_ops::balance_tasks). On one thread: the segments as they are.
 LoraPlan plan_lora(const int64_t* segments, int64_t n, const std::vector<cpu_ops::LoraSlice>& slices, int64_t hidden_in) {
   const int64_t num_threads = at::get_num_threads();
   std::vector<std::vector<SliceCost>> cost_of(n);
@@ -398,7 +398,7 @@ LoraPlan plan_lora(const int64_t* segments, int64_t n, const std::vector<cpu_ops
   LoraPlan plan;
   std::vector<double> costs;
   for (int64_t s = 0; s < n; ++s) add_segment_tasks(segments + 3 * s, cost_of[s], target, bar, max_parts, num_threads, plan, costs);
-  plan.starts = cpu_ops::balanced_starts(costs, num_threads);
+  plan.starts = cpu_ops::balance_tasks(plan.tasks, 5, costs, num_threads);
   return plan;
 }
 

@@ -1,5 +1,5 @@
-// How the bindings hand an op's tasks to PyTorch's threads where tasks differ in cost: contiguous
-// ranges of about equal cost (the LoRA op's segment pieces, attention's sequences and key chunks),
+// How the bindings hand an op's tasks to PyTorch's threads where tasks differ in cost: a range of
+// tasks a thread, of about equal cost (the LoRA op's segment pieces, attention's sequences and key chunks),
 // and the attention op's tasks themselves. Plain C++ (no PyTorch headers): the bindings pass the
 // thread count.
 #pragma once
@@ -12,21 +12,32 @@
 
 namespace cpu_ops {
 
-// Thread t runs tasks [starts[t], starts[t + 1]) of tasks whose costs are `costs`, in order: task i
-// goes to the thread whose share of the total holds the middle of its cost.
-inline std::vector<int64_t> balanced_starts(const std::vector<double>& costs, int64_t num_threads) {
-  double total = 0;
-  for (double cost : costs) total += cost;
-  std::vector<int64_t> starts(num_threads + 1, static_cast<int64_t>(costs.size()));
-  starts[0] = 0;
-  double before = 0;
-  int64_t thread = 0;
-  for (size_t i = 0; i < costs.size(); ++i) {
-    const double middle = before + costs[i] / 2;
-    const int64_t owner = total > 0 ? std::min<int64_t>(num_threads - 1, static_cast<int64_t>(middle / total * num_threads)) : 0;
-    while (thread < owner) starts[++thread] = static_cast<int64_t>(i);
-    before += costs[i];
+// Tasks of `width` int64 fields each, regrouped in place so that thread t runs [starts[t], starts[t + 1]):
+// the costliest first, each to the thread with the least cost so far (ties: the lower thread), the
+// tasks of a thread in their first order. Contiguous ranges in the first order left a thread up to
+// half a coarse task (a rank-64 adapter's decode tokens) behind the other. Only the order of disjoint
+// outputs changes: every element is the same sum, and the same split for a given thread count.
+inline std::vector<int64_t> balance_tasks(std::vector<int64_t>& tasks, int64_t width, const std::vector<double>& costs,
+                                          int64_t num_threads) {
+  const int64_t n = static_cast<int64_t>(costs.size());
+  std::vector<int64_t> by_cost(n), owner(n);
+  for (int64_t i = 0; i < n; ++i) by_cost[i] = i;
+  std::stable_sort(by_cost.begin(), by_cost.end(), [&](int64_t a, int64_t b) { return costs[a] > costs[b]; });
+  std::vector<double> load(num_threads, 0.0);
+  for (int64_t i : by_cost) {
+    const int64_t least = std::min_element(load.begin(), load.end()) - load.begin();
+    owner[i] = least;
+    load[least] += costs[i];
   }
+  std::vector<int64_t> grouped, starts(num_threads + 1, 0);
+  grouped.reserve(tasks.size());
+  for (int64_t t = 0; t < num_threads; ++t) {
+    starts[t] = static_cast<int64_t>(grouped.size()) / width;
+    for (int64_t i = 0; i < n; ++i)
+      if (owner[i] == t) grouped.insert(grouped.end(), tasks.begin() + i * width, tasks.begin() + (i + 1) * width);
+  }
+  starts[num_threads] = n;
+  tasks.swap(grouped);
   return starts;
 }
 
@@ -83,7 +94,7 @@ inline AttentionPlan plan_attention(const std::vector<SequenceKeys>& sequences, 
       }
     }
   }
-  plan.starts = balanced_starts(costs, num_threads);
+  plan.starts = balance_tasks(plan.tasks, 5, costs, num_threads);
   return plan;
 }
 

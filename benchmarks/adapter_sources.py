@@ -10,9 +10,9 @@ against the base model). The sources are the real ones, all on loopback:
 - pbase: this server's registry (SQLite records opened as the server opens them, blobs in a local
   directory), the adapter uploaded once through `AdapterRegistry.create_version`, validated with
   the engine's loader as the server validates uploads;
-- hub: `huggingface_hub` against the hub-protocol server of `tests.fixtures.hub_server`, a private
+- hub: `huggingface_hub` against the hub-protocol server of `benchmarks.loopback_hub`, a private
   repo read with its reader's token (the access check the hub source makes on every resolve);
-- s3: boto3 against the process's moto S3 server of `tests.fixtures.s3_server`, with credentials
+- s3: boto3 against the process's moto S3 server of `benchmarks.loopback_s3`, with credentials
   from the environment as the server reads them.
 
 The loopback servers are the test fixtures' (importing `tests.fixtures` works from the repository
@@ -45,17 +45,19 @@ from lora_runtime.adapters.refs import (
     LocalSource,
     parse_adapter_ref,
 )
-from lora_runtime.adapters.sources.download import ADAPTER_FILES, AdapterStore
+from lora_runtime.adapter_files import ADAPTER_FILES
+from lora_runtime.adapters.sources.download import AdapterStore
 from lora_runtime.adapters.sources.hub import HubConfig, HubSource
 from lora_runtime.adapters.sources.s3 import S3Config, S3Source
-from lora_runtime.adapters.weights import AdapterLimits, BaseModelShape, LoraWeights
+from lora_runtime.adapters.weights import LoraWeights
+from lora_runtime.engine_info import AdapterLimits, BaseModelShape
 from server.db import open_database
 from server.registry.blobs import LocalBlobStore
 from server.registry.models import RegistryBase
 from server.registry.service import AdapterRegistry
 from server.registry.source import PbaseResolver
-from tests.fixtures.hub_server import HubRepo, HubServer
-from tests.fixtures.s3_server import REGION, s3_server
+from benchmarks.loopback_hub import HubRepo, HubServer
+from benchmarks.loopback_s3 import REGION, s3_server
 
 SOURCES = ("local", "pbase", "hub", "s3")
 _TENANT = "bench"

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import options
 from benchmarks.adapter_sources import cold_load_latencies
 from benchmarks.engine import NO_PREFIX_CACHE, make_prompts, median_of_interleaved
 from benchmarks.instruction_peak import instruction_peak
@@ -62,17 +63,15 @@ GIB = 1024**3
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--dtype", default="auto")
+    options.add_threads(parser)
+    options.add_dtype(parser)
     parser.add_argument("--counts", default="1,8,64,256,1024", help="numbers of distinct adapters to sweep")
-    parser.add_argument("--num-requests", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=1, help="interleaved runs per configuration; the median is kept")
+    options.add_workload(parser)
+    options.add_repeats(parser)
     parser.add_argument("--device-pool-gib", type=float, default=4.0)
     parser.add_argument("--host-cache-gib", type=float, default=6.0)
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
-    parser.add_argument("--quick", action="store_true",
-                        help="a small sweep for tests: counts 1,4 from 4 templates, 8 requests, 4 tokens, a 0.25 GiB pool")
+    options.add_quick(parser, "counts 1,4 from 4 templates, 8 requests, 4 tokens, a 0.25 GiB pool")
     args = parser.parse_args(argv)
     args.num_templates = NUM_TEMPLATES
     if args.quick:

@@ -32,6 +32,7 @@ from typing import Callable
 
 import torch
 
+from benchmarks import options
 from benchmarks.peft_baseline import left_padded, make_random_adapters, run_peft
 from benchmarks.roofline import workload_floor
 from benchmarks.timing import Timer, peak_rss_mib
@@ -114,17 +115,15 @@ def median_of_interleaved(runs: dict[str, Callable[[], dict]], repeats: int, rat
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--dtype", default="auto", help="our model's dtype (auto, float32, bfloat16); the baselines use the same")
+    options.add_threads(parser)
+    options.add_dtype(parser)
     parser.add_argument("--form", default=None,
                         help="compiled CPU ops form to run (default: the best this CPU runs), e.g. avx2 to see an AVX2 machine's kernels")
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--new-tokens", type=int, default=64)
+    options.add_workload(parser)
     parser.add_argument("--adapters", type=int, default=0, help="spread requests over N random adapters")
     parser.add_argument("--targets", default="q_proj,v_proj", help="adapter target modules, or all-linear")
     parser.add_argument("--skip-baseline", action="store_true", help="measure our engine only")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="runs of our engine per configuration, interleaved; the median is reported")
+    options.add_repeats(parser)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (our engine and the baselines)")
     parser.add_argument("--baselines", default=None,
                         help="comma-separated: hf, peft (default: hf without --adapters, peft with)")

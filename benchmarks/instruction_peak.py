@@ -19,6 +19,8 @@ import argparse
 
 from kernels import cpu_ops
 
+from benchmarks import options
+
 
 def probe_kinds(dtype: str) -> list[str]:
     """The probes of the instructions that can multiply `dtype` in the active form."""
@@ -48,8 +50,9 @@ def instruction_peak(dtype: str, tries: int = 3, iterations: int = 20_000_000) -
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    options.add_dtype(parser)
     args = parser.parse_args(argv)
+    args.dtype = options.resolved_dtype(args.dtype)
     peaks = instruction_peaks(args.dtype)
     if not peaks:
         print(f"no {args.dtype} instruction peak to probe here")

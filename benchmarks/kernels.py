@@ -47,6 +47,8 @@ from kernels.linear import KIND_DTYPES, available_kinds, linear_packed, pack_lin
 from kernels.lora.layouts import PAGE_ROWS, ModuleShape, pages_for_rank
 from kernels.lora.plans import LoraSlice, PageTable
 
+from benchmarks import options
+
 LOG = logging.getLogger("benchmarks.kernels")
 RESULTS_DIR = Path(__file__).parent / "results"
 # (hidden_in, out): SmolLM2-135M's MLP up projection and a 7B-class square projection.
@@ -322,9 +324,9 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--quick", action="store_true", help="576-wide projection and ranks 8, 16 only")
+    options.add_threads(parser)
+    options.add_dtype(parser)
+    options.add_quick(parser, "576-wide projection and ranks 8, 16 only")
     parser.add_argument("--seconds", type=float, default=0.5, help="CPU timing budget per case")
     parser.add_argument("--form", default=None, help="compiled CPU ops form (default: the best this CPU runs)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda where there is one)")
@@ -335,6 +337,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    args.dtype = options.resolved_dtype(args.dtype, device.type)
     if args.form:
         with cpu_ops.using_form(args.form):
             run(args, device)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels
+from benchmarks import options
 from benchmarks.kernels import make_timer
 from benchmarks.roofline import measure_read_rate
 from kernels.lora.layouts import ModuleShape, pages_for_rank
@@ -56,10 +57,10 @@ BATCHES = (Batch("W decode", 64, 8, 120), Batch("W prefill", 2560, 8, 8), Batch(
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    options.add_threads(parser)
+    options.add_dtype(parser)
     parser.add_argument("--seconds", type=float, default=0.5, help="timing budget per case (at least 5 interleaved rounds)")
-    parser.add_argument("--quick", action="store_true", help="a small run for tests: 5 rounds, 2 page sets, gate_up only")
+    options.add_quick(parser, "5 rounds, 2 page sets, gate_up only")
     return parser.parse_args(argv)
 
 
@@ -99,6 +100,7 @@ def bench_projection(backend, dtype: torch.dtype, batch: Batch, projection: str,
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    args.dtype = options.resolved_dtype(args.dtype)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import llama_cpp
+from benchmarks import llama_cpp, options
 from benchmarks.engine import NO_PREFIX_CACHE, make_prompts, median_of_interleaved, run_ours
 from benchmarks.peft_baseline import make_random_adapters, run_peft
 from lora_runtime import Engine, EngineConfig
@@ -57,14 +57,12 @@ class Workload:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--new-tokens", type=int, default=64)
+    options.add_threads(parser)
+    options.add_workload(parser)
     parser.add_argument("--adapters", type=int, default=8, help="random adapters the requests are spread over")
     parser.add_argument("--llama-dtypes", default="f32,bf16", help="GGUF types to run llama.cpp in")
     parser.add_argument("--peft-dtypes", default="float32,bfloat16", help="torch dtypes to run PEFT in")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="runs of our engine per workload, interleaved; the median is reported")
+    options.add_repeats(parser)
     parser.add_argument("--skip-peft", action="store_true")
     parser.add_argument("--skip-llama", action="store_true")
     return parser.parse_args(argv)

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import options
 from benchmarks.engine import make_prompts, median_of_interleaved
 from benchmarks.peers import cpu_model_name
 from benchmarks.timing import Timer, peak_rss_mib
@@ -91,16 +92,15 @@ class ChatRequest:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--num-requests", type=int, default=256)
+    options.add_threads(parser)
+    options.add_dtype(parser)
+    options.add_workload(parser)
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight (closed loop)")
-    parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--system-tokens", type=int, default=400, help="tokens of each adapter's system prompt")
-    parser.add_argument("--repeats", type=int, default=1, help="off/on runs, interleaved; the median is kept")
+    options.add_repeats(parser)
     parser.add_argument("--seed", type=int, default=0, help="seeds the questions and the adapter order")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
-    parser.add_argument("--quick", action="store_true", help="a smoke run: 8 requests, 4 in flight, 4 new tokens")
+    options.add_quick(parser, "8 requests, 4 in flight, 4 new tokens")
     args = parser.parse_args(argv)
     if args.quick:
         args.num_requests, args.concurrency, args.new_tokens = 8, 4, 4

@@ -32,6 +32,7 @@ from pathlib import Path
 import httpx
 import psutil
 
+from benchmarks import options
 from benchmarks.serving import _free_port, _wait_healthy, adapter_picker, run_level, Target
 
 logger = logging.getLogger("benchmarks.replicas")
@@ -112,7 +113,7 @@ def _measure(name: str, target: Target, process: psutil.Process, concurrency: in
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.replicas", description=__doc__.splitlines()[0])
     parser.add_argument("--replicas", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1, help="compute threads of the single server")
+    options.add_threads(parser)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=16, help="streams at once on the single server")
     parser.add_argument("--cluster-concurrency", type=int, default=None,
@@ -120,7 +121,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--requests-per-stream", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--whole", action="store_true", help="non-streamed generate requests")
-    parser.add_argument("--dtype", default="float32")
+    options.add_dtype(parser)
     parser.add_argument("--cluster-option", action="append", default=[],
                         help="an extra option of python -m server.cluster (repeatable), e.g. --cluster-option=--threads-per-replica=1")
     return parser.parse_args(argv)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import peers
+from benchmarks import peers, options
 from benchmarks.engine import NO_PREFIX_CACHE, make_prompts, median_of_interleaved
 from benchmarks.peft_baseline import make_random_adapters
 from benchmarks.random_model import ensure_random_llama
@@ -49,11 +49,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", default=None,
                         help="comma-separated thread counts (default: 1 to this process's physical cores)")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--new-tokens", type=int, default=64)
+    options.add_dtype(parser)
+    options.add_workload(parser)
     parser.add_argument("--adapters", type=int, default=8, help="adapters of workload W (0: base only)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per thread count and workload; median reported")
+    options.add_repeats(parser)
     parser.add_argument("--llama-cpp", action="store_true", help="also run llama.cpp's server (bf16 GGUF)")
     parser.add_argument("--random-llama-1b", action="store_true",
                         help="a random-weight model of Llama-3.2-1B's shape instead of the embedded model (slow)")

@@ -169,3 +169,17 @@ def using_form(form: str) -> Iterator[ModuleType]:
         yield module
     finally:
         module.use_form(previous)
+
+
+@contextlib.contextmanager
+def without_vnni() -> Iterator[ModuleType]:
+    """Multiply quantized weights without VNNI's int8 dot products for the duration, as on a CPU
+    without them (tests and benchmarks compare the two paths of a form)."""
+    module = ops()
+    if module is None:
+        raise RuntimeError(unavailable_reason("generic"))
+    previous = module.use_vnni(False)
+    try:
+        yield module
+    finally:
+        module.use_vnni(previous)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from kernels import cpu_ops, reference, tuning
 from kernels.huge_pages import copy_to_huge_pages
-from kernels.quantized import QuantizedWeight
+from kernels.quantized import QuantizedTensor, QuantizedWeight
 
 # Output columns per packed block, and the K multiple, of each kernel.
 _AMX_BLOCK = 32
@@ -111,8 +111,41 @@ class DequantizingLinear:
         return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
 
 
+class QuantizedLinear:
+    """A quantized weight multiplied by the compiled CPU ops over its blocks (kernels/csrc/quantized.cpp):
+    batches of up to `tuning.QUANTIZED_INT8_MAX_ROWS` rows by int8 dot products (x quantized per 32
+    elements to int8 on the fly: `kernels.reference.quantized_linear` within x's quantization error),
+    larger ones by each part widened to x's dtype once per call and the library matmul (the widening
+    then costs a small share of the call). Only the blocks stay resident."""
+
+    __slots__ = ("weight", "bias")
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: torch.Tensor, reads: Reads = NO_READS) -> torch.Tensor:
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], self.weight.shape[0], dtype=x.dtype)
+        column = 0
+        for part in self.weight.parts:
+            _multiply_part(x, part, out[:, column : column + part.rows])
+            column += part.rows
+        return out if self.bias is None else out.add_(self.bias)
+
+
+def _multiply_part(x: torch.Tensor, part: QuantizedTensor, out: torch.Tensor) -> None:
+    """out [M, part.rows] = x [M, K] @ the part's weight.T (x float32, bf16 or float16)."""
+    ops = cpu_ops.ops()
+    if x.shape[0] <= tuning.QUANTIZED_INT8_MAX_ROWS or x.dtype not in (torch.float32, torch.bfloat16):
+        ops.quantized_linear(out, x, part.data, part.block_type.ggml_type)
+        return
+    dense = torch.empty(part.rows, part.cols, dtype=x.dtype)
+    ops.dequantize_rows(dense, part.data, part.block_type.ggml_type)
+    out.copy_(F.linear(x, dense))
+
+
 # each a callable (x [M, in], reads) -> [M, out]
-LinearWeight = PlainLinear | OneDNNLinear | CompiledLinear | DequantizingLinear
+LinearWeight = PlainLinear | OneDNNLinear | CompiledLinear | DequantizingLinear | QuantizedLinear
 
 
 def available_kinds() -> list[str]:

@@ -102,3 +102,17 @@ class QuantizedWeight:
     @property
     def nbytes(self) -> int:
         return sum(part.data.numel() for part in self.parts)
+
+
+def quantize_q8_0(weight: torch.Tensor) -> QuantizedTensor:
+    """`weight` [rows, cols] (cols a multiple of 32) as Q8_0 blocks, as gguf's `gguf.quants.quantize`
+    writes them: per 32 elements d = amax / 127 in float32, q = x / d rounded half away from zero
+    (computed as x * (1 / d)), d stored as f16."""
+    rows, cols = weight.shape
+    blocks = weight.float().reshape(-1, 32)
+    scale = blocks.abs().amax(dim=1, keepdim=True) / 127
+    inverse = torch.where(scale == 0, torch.zeros_like(scale), 1 / scale)
+    scaled = blocks * inverse
+    quants = (scaled.sign() * (scaled.abs() + 0.5).floor()).to(torch.int8)
+    data = torch.cat([scale.to(torch.float16).view(torch.uint8), quants.view(torch.uint8)], dim=1)
+    return QuantizedTensor(BLOCK_TYPES["Q8_0"], data.reshape(rows, -1), cols)

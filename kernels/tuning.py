@@ -201,3 +201,8 @@ def decode_splits(num_programs: int, max_seq_len: int) -> int:
     affordable = max(1, max_seq_len // DECODE_MIN_SPLIT_TOKENS)
     splits = min(wanted, affordable, DECODE_MAX_SPLITS)
     return 1 << (splits.bit_length() - 1)  # round down to a power of two
+
+# Quantized weights (kernels.linear.QuantizedLinear): batches of up to this many rows multiply by int8
+# dot products over the blocks; larger ones widen each weight to x's dtype once per call for the library
+# matmul. Re-measure with `python -m benchmarks.quantized` (one thread) on the CPU at hand.
+QUANTIZED_INT8_MAX_ROWS = 16

@@ -19,47 +19,15 @@ from dataclasses import dataclass
 
 from lora_runtime.adapters.cache import AdapterLease
 from lora_runtime.adapters.manager import Lease
-from lora_runtime.adapters.refs import AdapterKey, AdapterRequest, Caller
+from lora_runtime.adapters.refs import AdapterArgument, AdapterKey, AdapterRequest, Caller
+from lora_runtime.api import EngineStats
 from lora_runtime.core import CacheScope, Request, RequestOutput, SamplingParams
 from lora_runtime.engine import IDLE_WAIT_S, Engine
 from lora_runtime.engine_info import EngineInfo
+from lora_runtime.engine_stats import LoopActivity
 from lora_runtime.errors import EngineError, RequestAbortedError
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    # The queues as of the loop thread's last step or commands. Waiting requests also count those not
-    # queued yet (their adapter loading, or the loop not there yet); the moment between the loop
-    # queuing a request and `add_request` returning counts it twice.
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_total_blocks: int
-    kv_cache_usage_ratio: float  # blocks in use / all blocks, 0..1
-    num_steps: int
-    num_generated_tokens: int
-    num_finished_requests: int
-    num_preemptions: int
-    num_cached_adapters: int  # loaded in the host cache
-    num_pinned_adapters: int  # of those, used by a request in flight
-    adapter_cache_bytes: int
-    num_resident_adapters: int  # placed in the device pool's pages
-    num_free_adapter_pages: int  # in the fullest module's pool: what the next adapter can take
-    num_total_adapter_pages: int
-    max_resident_adapters: int  # the pool's capacity at the largest allowed rank: sure to fit at once
-    # Prefix caching, counted since the start: requests and prompt tokens looked up, and found cached
-    # (hit rates: hit / queried); full blocks cached now; cached blocks evicted to make room.
-    prefix_cache_queried_requests: int
-    prefix_cache_hit_requests: int
-    prefix_cache_queried_tokens: int
-    prefix_cache_hit_tokens: int
-    num_cached_kv_blocks: int
-    num_evicted_kv_blocks: int
-    # The distinct adapters of the running and of the waiting requests, as the counts above.
-    running_adapters: tuple[AdapterKey, ...]
-    waiting_adapters: tuple[AdapterKey, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +132,7 @@ class AsyncEngine:
         self,
         prompt: str | list[int],
         params: SamplingParams,
-        adapter: object = None,
+        adapter: AdapterArgument = None,
         request_id: str | None = None,
         api_token: str | None = None,
         final_only: bool = False,
@@ -173,7 +141,7 @@ class AsyncEngine:
         """Load the request's adapter, then validate and queue: validation and adapter failures
         raise EngineError subclasses here, before anything is streamed. With `final_only` the
         stream yields the finished output alone. `cache_scope`: as `Engine.add_request`'s."""
-        adapter_request = self.engine.adapters.parse(adapter, Caller(api_token=api_token))
+        adapter_request = self.engine.parse_adapter(adapter, Caller(api_token=api_token))
         pending = Counter([adapter_request.key if adapter_request is not None else None])
         self._pending = self._pending + pending
         try:
@@ -186,7 +154,7 @@ class AsyncEngine:
         """The request's hold on its adapter, loaded: taken once here and handed to the engine with it."""
         if adapter_request is None:
             return None
-        lease = self.engine.adapters.acquire(adapter_request)
+        lease = self.engine.acquire_adapter(adapter_request)
         try:
             await asyncio.wrap_future(lease.load)
         except BaseException:  # its load failed, or the client left while it loaded
@@ -194,7 +162,7 @@ class AsyncEngine:
             raise
         return lease
 
-    async def _add(self, prompt: str | list[int], params: SamplingParams, adapter: object,
+    async def _add(self, prompt: str | list[int], params: SamplingParams, adapter: AdapterRequest | Lease | None,
                    request_id: str | None, final_only: bool, cache_scope: CacheScope) -> RequestStream:
         """Hand the request to the loop thread, which validates and queues it. A caller cancelled
         before the loop gets to it is never queued (its adapter hold released); one cancelled while
@@ -245,40 +213,24 @@ class AsyncEngine:
         self.engine.wake()
 
     def stats(self) -> EngineStats:
-        """Safe from any thread: sizes only (each read atomic), and what the loop thread and
-        `add_request` last published whole."""
-        scheduler, kv_cache = self.engine.scheduler, self.engine.kv_cache
-        prefix = kv_cache.prefix_stats
-        cached = self.engine.adapters.host.snapshot()  # (key, bytes, pins) per entry
-        pages = self.engine.adapters.pages
+        """Safe from any thread: the engine's figures, with the queues the loop thread last published
+        whole and the requests `add_request` holds before they reach it."""
         queues, pending = self._queues, self._pending
         pending_adapters = (key for key in pending if key is not None)
-        return EngineStats(
+        activity = LoopActivity(
             num_running=queues.num_running,
             num_waiting=queues.num_waiting + pending.total(),
-            num_free_blocks=kv_cache.num_free_blocks,
-            num_total_blocks=kv_cache.num_blocks,
-            kv_cache_usage_ratio=1 - kv_cache.num_free_blocks / kv_cache.num_blocks,
             num_steps=self._num_steps,
             num_generated_tokens=self._num_generated_tokens,
             num_finished_requests=self._num_finished,
-            num_preemptions=scheduler.num_preemptions,
-            num_cached_adapters=len(cached),
-            num_pinned_adapters=sum(1 for _, _, pins in cached if pins),
-            adapter_cache_bytes=sum(num_bytes for _, num_bytes, _ in cached),
-            num_resident_adapters=pages.num_resident,
-            num_free_adapter_pages=min(pages.num_free_pages.values()),
-            num_total_adapter_pages=pages.num_pages,
-            max_resident_adapters=pages.capacity_for_rank(self.engine.adapters.config.max_rank),
-            prefix_cache_queried_requests=prefix.num_queried_requests,
-            prefix_cache_hit_requests=prefix.num_hit_requests,
-            prefix_cache_queried_tokens=prefix.num_queried_tokens,
-            prefix_cache_hit_tokens=prefix.num_hit_tokens,
-            num_cached_kv_blocks=kv_cache.allocator.num_cached_blocks,
-            num_evicted_kv_blocks=kv_cache.allocator.num_evictions,
             running_adapters=queues.running_adapters,
             waiting_adapters=tuple(dict.fromkeys((*queues.waiting_adapters, *pending_adapters))),
         )
+        return self.engine.stats(activity)
+
+    def cached_adapters(self) -> tuple[AdapterKey, ...]:
+        """The adapters the engine's host cache holds now; safe from any thread."""
+        return self.engine.cached_adapters()
 
     async def shutdown(self, deadline_s: float = 10.0) -> None:
         """Let in-flight requests finish until the deadline, then cancel the rest and stop the loop."""

@@ -6,6 +6,8 @@ from pathlib import Path
 from typing import Literal
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+Quantization = Literal["q8_0"]
+QUANTIZATIONS: tuple[str, ...] = ("q8_0",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +113,8 @@ class EngineConfig:
     `dtype="auto"`: bf16 where the device multiplies it at least as fast as float32 (CUDA; CPUs with
     AVX-512), float32 elsewhere (`lora_runtime.dtypes`); tests that compare with HF logits use float32.
     `kernel_backend`: None picks by device (`kernels.backend_for`); "cpu", "torch" or "triton" force one.
+    `quantization`: "q8_0" quantizes a Hugging Face checkpoint's projections to Q8_0 blocks while loading
+    it (kernels/quantized.py; None: kept in `dtype`); a GGUF file keeps its own types.
     `num_threads`: the compute threads (PyTorch's pool, which the compiled CPU ops share); None:
     OMP_NUM_THREADS where set, else one per physical core of the process's affinity mask
     (`lora_runtime.threads`).
@@ -126,6 +130,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     adapters: AdapterConfig = field(default_factory=AdapterConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    quantization: Quantization | None = None
 
     def __post_init__(self) -> None:
         assert self.num_threads is None or self.num_threads >= 1

@@ -18,8 +18,9 @@ import torch
 import kernels
 from lora_runtime.adapters.cache import AdapterLease
 from lora_runtime.adapters.manager import AdapterManager, Lease
-from lora_runtime.adapters.refs import AdapterSource, Caller
-from lora_runtime.adapters.weights import BaseModelShape
+from lora_runtime.adapters.refs import AdapterArgument, AdapterKey, AdapterRequest, AdapterSource, Caller
+from lora_runtime.api import EngineStats
+from lora_runtime.engine_info import BaseModelShape
 from lora_runtime.best_of import BestOfGroup
 from lora_runtime.config import EngineConfig
 from lora_runtime.dtypes import resolve_dtype
@@ -27,6 +28,7 @@ from lora_runtime.device_memory import sized_for_device
 from lora_runtime.core import CacheScope, Request, RequestOutput, RequestStatus, SamplingParams
 from lora_runtime.embedded import EMBEDDED_MODEL_NAME, ensure_embedded_model
 from lora_runtime.engine_info import EngineInfo
+from lora_runtime.engine_stats import LoopActivity, engine_stats
 from lora_runtime.errors import EngineError, NonFiniteLogitsError, ValidationError
 from lora_runtime.gguf_model import is_gguf_file, load_gguf
 from lora_runtime.kv_cache import KVCacheManager
@@ -35,7 +37,7 @@ from lora_runtime.model_runner import ModelRunner, ModelRunnerOutput
 from lora_runtime.prefix_cache import kv_identity
 from lora_runtime.models.llama import LlamaModel
 from lora_runtime.request_state import RequestState
-from lora_runtime.sampling.sampler import SampleResult, Sampler, TokenizerInfo, TopPairs, top_tokens
+from lora_runtime.sampling.sampler import SampleResult, Sampler, TokenizerInfo, TopPairs, chunk_logprobs
 from lora_runtime.scheduler import Scheduler
 from lora_runtime.step_timing import StepTimes
 from lora_runtime.threads import use_threads
@@ -96,9 +98,11 @@ class Engine:
         dtype, reason = resolve_dtype(config.dtype, config.device)
         logger.info("model %s in %s (%s), kernel backend %s", model_name, dtype, reason, backend.label)
         if is_gguf_file(model_dir):
+            if config.quantization is not None:
+                raise ValidationError("quantization", f"{model_dir.name} is a GGUF file: it keeps its own types")
             model, tokenizer = load_gguf(model_dir, dtype, config.device, backend)
         else:
-            model = load_model(model_dir, dtype, config.device, backend)
+            model = load_model(model_dir, dtype, config.device, backend, config.quantization)
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
         return cls(config, model, tokenizer, model_name, adapter_sources)
 
@@ -124,7 +128,7 @@ class Engine:
         self,
         prompt: str | list[int],
         params: SamplingParams | None = None,
-        adapter: object = None,
+        adapter: AdapterArgument | Lease = None,
         request_id: str | None = None,
         api_token: str | None = None,
         cache_scope: CacheScope = CacheScope(),
@@ -141,8 +145,8 @@ class Engine:
         lease = adapter if isinstance(adapter, AdapterLease) else None
         try:
             if lease is None:
-                adapter_request = self.adapters.parse(adapter, Caller(api_token=api_token))
-                lease = self.adapters.acquire(adapter_request) if adapter_request is not None else None
+                adapter_request = self.parse_adapter(adapter, Caller(api_token=api_token))
+                lease = self.acquire_adapter(adapter_request) if adapter_request is not None else None
             request_id = request_id or f"req-{next(self._request_counter)}"
             if request_id in self._states:
                 raise ValidationError("request_id", f"{request_id!r} is already in use")
@@ -164,6 +168,25 @@ class Engine:
             self._group_of[request_id] = BestOfGroup(state)
         self.scheduler.add_request(request)
         return request_id
+
+    def parse_adapter(self, adapter: AdapterArgument, caller: Caller = Caller()) -> AdapterRequest | None:
+        """`add_request`'s `adapter` (but a lease) as a typed request; safe from any thread (it reads
+        only the configured sources)."""
+        return self.adapters.parse(adapter, caller)
+
+    def acquire_adapter(self, request: AdapterRequest) -> Lease:
+        """Start (or join) the background load of the request's adapter; the lease, handed to
+        `add_request`, pins its host copy until the request ends. Safe from any thread (the host
+        cache locks)."""
+        return self.adapters.acquire(request)
+
+    def cached_adapters(self) -> tuple[AdapterKey, ...]:
+        """The adapters the host cache holds now, least recently used first; safe from any thread."""
+        return tuple(key for key, _, _ in self.adapters.host.snapshot())
+
+    def stats(self, activity: LoopActivity) -> EngineStats:
+        """The engine's figures beside what the thread stepping it has counted; safe from any thread."""
+        return engine_stats(activity, self.kv_cache, self.scheduler.num_preemptions, self.adapters)
 
     def _kv_identity(self, request: Request) -> bytes:
         """The root of the request's KV block chain: its cache scope, its adapter's key and the load
@@ -245,11 +268,9 @@ class Engine:
         logits = runner_output.logits
         for request, first_position, first_row, num_rows in runner_output.rows.prompt_rows:
             # Row first_row + i scores prompt token first_position + 1 + i.
-            targets = torch.tensor(request.prompt_token_ids[first_position + 1 : first_position + 1 + num_rows])
-            rows = torch.log_softmax(logits[first_row : first_row + num_rows].float(), dim=-1)
-            values = rows.gather(1, targets.to(rows.device)[:, None])[:, 0].tolist()
-            num_top = request.params.top_logprobs
-            top = top_tokens(rows, num_top) if num_top > 0 else None
+            next_ids = request.prompt_token_ids[first_position + 1 : first_position + 1 + num_rows]
+            values, top = chunk_logprobs(logits[first_row : first_row + num_rows], next_ids,
+                                         request.params.top_logprobs)
             self._states[request.request_id].record_prompt_logprobs(first_position, values, top)
 
     def _sample_and_update(self, runner_output: ModelRunnerOutput) -> list[RequestOutput]:

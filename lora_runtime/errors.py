@@ -1,5 +1,6 @@
-"""Typed errors of the engine. Each carries the `error_type` of the wire API (docs/api.md section 6) and
-the HTTP status the server answers with, so library users and HTTP users see the same failures."""
+"""Typed errors of the engine. Each names what went wrong by the `error_type` of the wire API (docs/api.md
+section 6), so library users and HTTP users see the same failures; the HTTP status is the server's
+(`server/errors.py` maps each `error_type` to one)."""
 from __future__ import annotations
 
 
@@ -7,7 +8,6 @@ class EngineError(Exception):
     """Base class: a failure that concerns one request, never the engine as a whole."""
 
     error_type = "generation"
-    status_code = 424
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -30,7 +30,6 @@ class ValidationError(EngineError):
     """A request field has a value the engine refuses; `field` names it."""
 
     error_type = "validation"
-    status_code = 422
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
@@ -39,33 +38,28 @@ class ValidationError(EngineError):
 
 class AdapterNotFoundError(EngineError):
     error_type = "adapter_not_found"
-    status_code = 404
 
 
 class AdapterAccessError(EngineError):
     error_type = "adapter_access"
-    status_code = 403
 
 
 class AdapterIncompatibleError(EngineError):
     error_type = "adapter_incompatible"
-    status_code = 422
 
 
 class AdapterInvalidError(EngineError):
     error_type = "adapter_invalid"
-    status_code = 422
 
 
 class AdapterUnavailableError(EngineError):
     error_type = "adapter_unavailable"
-    status_code = 424
 
 
 class NonFiniteLogitsError(EngineError):
     """The model's scores for a request's next token were NaN or infinite (an adapter whose update
     overflows the forward pass, say): that request stops, the others of its batch go on. The wire's
-    `generation` failure (424), with this message rather than torch's."""
+    `generation` failure, with this message rather than torch's."""
 
     def __init__(self) -> None:
         super().__init__("generation stopped: the model's scores for the next token are NaN or infinite "
@@ -76,4 +70,3 @@ class RequestAbortedError(EngineError):
     """The request was cancelled (client gone, shutdown) before it finished."""
 
     error_type = "incomplete_generation"
-    status_code = 500

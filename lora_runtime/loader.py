@@ -10,6 +10,7 @@ from safetensors import safe_open
 
 import kernels
 from lora_runtime.dtypes import DTYPES
+from kernels.quantized import QuantizedWeight, quantize_q8_0
 from lora_runtime.errors import ValidationError
 from lora_runtime.layers.rotary import RotaryEmbedding
 from lora_runtime.models.architectures import (
@@ -56,8 +57,20 @@ class _LayerReader:
     """The weights of one decoder layer, as the family lays them out in its checkpoint."""
 
     def __init__(self, reader: _TensorReader, shape: ModelShape, features: ModelFeatures,
-                 backend: kernels.Backend) -> None:
+                 backend: kernels.Backend, quantization: str | None = None) -> None:
         self.reader, self.shape, self.features, self.backend = reader, shape, features, backend
+        self.quantization = quantization
+
+    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        """A projection for the backend, quantized first where the engine was asked to."""
+        if self.quantization is None:
+            return self.backend.linear(weight, bias)
+        if self.quantization != "q8_0":
+            raise ValidationError("quantization", f"unknown quantization {self.quantization!r}; supported: q8_0")
+        if weight.shape[1] % 32:
+            raise ValidationError("quantization", f"q8_0 needs projections of whole blocks of 32 inputs, "
+                                                  f"not {weight.shape[1]}")
+        return self.backend.linear(QuantizedWeight.of([quantize_q8_0(weight)]), bias)
 
     def norm(self, name: str, width: int) -> torch.Tensor:
         """A norm's weight; Gemma's `x * (1 + w)` becomes a plain scale, 1 + w summed in float32 as HF does."""
@@ -70,7 +83,7 @@ class _LayerReader:
 
     def layer(self, layer_idx: int) -> LayerWeights:
         prefix, shape, norms = f"model.layers.{layer_idx}.", self.shape, self.features.spec.norms
-        linear, hidden = self.backend.linear, shape.hidden_size
+        linear, hidden = self.linear, shape.hidden_size
         o_shape = (hidden, shape.q_size)
         o_bias = self.reader.get(prefix + "self_attn.o_proj.bias", (hidden,)) if shape.o_bias else None
         weights = LayerWeights(
@@ -110,9 +123,11 @@ class _LayerReader:
                                  [(width, hidden), (width, hidden)])
 
 
-def load_model(model_dir: Path, dtype: str, device: str, backend: kernels.Backend) -> LlamaModel:
+def load_model(model_dir: Path, dtype: str, device: str, backend: kernels.Backend,
+               quantization: str | None = None) -> LlamaModel:
     """Build our model from a local HF directory (config.json + *.safetensors), its projections laid
-    out for `backend`'s matmuls. `dtype` is a concrete dtype ("auto" is resolved by the engine)."""
+    out for `backend`'s matmuls (quantized first: `quantization`, EngineConfig's). `dtype` is a concrete
+    dtype ("auto" is resolved by the engine)."""
     from transformers import AutoConfig
 
     if not (model_dir / "config.json").is_file():
@@ -122,7 +137,7 @@ def load_model(model_dir: Path, dtype: str, device: str, backend: kernels.Backen
     features = model_features_from_config(config, shape)
     torch_dtype = DTYPES[dtype]
     reader = _TensorReader(model_dir, torch_dtype, device)
-    layers = _LayerReader(reader, shape, features, backend)
+    layers = _LayerReader(reader, shape, features, backend, quantization)
     embed = reader.get("model.embed_tokens.weight", (shape.vocab_size, shape.hidden_size))
     tied = shape.tie_word_embeddings or not reader.has("lm_head.weight")
     weights = ModelWeights(

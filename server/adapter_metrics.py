@@ -22,8 +22,7 @@ from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from lora_runtime.adapters.refs import AdapterKey, AdapterRequest
-from lora_runtime.async_engine import EngineStats
+from lora_runtime.api import AdapterKey, AdapterRequest, EngineStats
 
 # The series of a tenant's adapters past its first `max_adapters`: no pbase, hub or s3 id starts
 # with "(" (their patterns start with a letter or digit).

@@ -14,14 +14,12 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from lora_runtime.engine_info import EngineInfo
-from lora_runtime.adapters.merge import MergedAdapters
+from lora_runtime.api import (AdapterRef, AdapterRequest, AdapterSource, AdapterUnavailableError, Caller,
+                              EngineInfo, LocalSource, MergedAdapters, ValidationError, infer_source,
+                              parse_adapter_ref)
 from lora_runtime.adapters.peft_format import load_peft_adapter
-from lora_runtime.adapters.refs import AdapterRef, AdapterRequest, AdapterSource, Caller, LocalSource, parse_adapter_ref
 from lora_runtime.adapters.sources.download import AdapterStore
-from lora_runtime.adapters.sources.ids import infer_source
 from lora_runtime.adapters.sources.s3 import S3Config
-from lora_runtime.errors import AdapterUnavailableError, ValidationError
 from server.config import ServerConfig
 from server.db import Database
 from server.registry.blobs import BlobStore, LocalBlobStore, S3BlobStore

@@ -20,7 +20,7 @@ from server.bridge import Admission
 from server.config import ServerConfig
 from server.cpu_placement import CpuPlacement
 from server.db import Database
-from server.engine_backend import EngineBackend
+from lora_runtime.api import EngineBackend
 from server.errors import install_error_handlers
 from server.metrics import MetricsListener, ServerMetrics
 from server.openai_api import routes as openai_routes

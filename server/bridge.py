@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from starlette.requests import Request
 
-from lora_runtime.core import RequestOutput
+from lora_runtime.api import RequestOutput
 from server.errors import overloaded, shutting_down
 
 

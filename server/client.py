@@ -19,17 +19,10 @@ from typing import Any
 
 import httpx
 
+from lora_runtime.adapter_files import ADAPTER_FILES
 from server.protocol import GenerateResponse, StreamResponse
 
 _CHECKPOINT_DIR = re.compile(r"checkpoint-[0-9]{1,9}")
-# The file names the registry accepts in an upload: lora_runtime.adapters.sources.download's
-# ADAPTER_FILES, restated because importing the engine's package needs torch, which callers of this
-# library need not have (tests/wiring/test_packaging.py keeps the two equal).
-ADAPTER_FILES = frozenset((
-    "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin",
-    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-    "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
-))
 
 
 class ApiError(Exception):

@@ -7,8 +7,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from lora_runtime.adapters.peft_format import CONFIG_FILE
-from lora_runtime.errors import EngineError
+from lora_runtime.adapter_files import ADAPTER_CONFIG_FILE as CONFIG_FILE
+from lora_runtime.api import EngineError
+from server.registry.errors import RegistryError
 from server.registry.service import AdapterRegistry
 
 logger = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ def register_demo_adapters(registry: AdapterRegistry, directory: Path | None, te
             try:
                 version = registry.create_version(tenant, tenant, adapter_dir.name, copy,
                                                   description=f"demo adapter {adapter_dir.name}")
-            except EngineError as error:
+            except (EngineError, RegistryError) as error:
                 logger.warning("demo adapter %s not registered: %s", adapter_dir.name, error.message)
                 continue
         logger.info("registered demo adapter %s/%d", version.repo, version.tag)

@@ -1,6 +1,8 @@
 """The service's HTTP errors and their JSON shape, `{"error": ..., "error_type": ...}` (docs/api.md
-section 6), or OpenAI's `{"error": {message, type, param, code}}` on the OpenAI-compatible routes. Engine errors already carry `error_type` and `status_code`; the errors
-here are the ones only the HTTP layer can raise (auth, routing, body, admission)."""
+section 6), or OpenAI's `{"error": {message, type, param, code}}` on the OpenAI-compatible routes. The engine's errors and the service's own (`ServiceError`: the registry's)
+name what went wrong by their `error_type`; `STATUS_OF_ERROR_TYPE` is the one place that gives each
+its HTTP status. `ApiError`s are the refusals only the HTTP layer raises (auth, routing, body,
+admission), their status given."""
 from __future__ import annotations
 
 import logging
@@ -11,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lora_runtime.errors import EngineError, ValidationError
+from lora_runtime.api import EngineError, ValidationError
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +32,31 @@ class ApiError(Exception):
         self.message = message
         self.headers = headers or {}
         self.param = param
+
+
+class ServiceError(Exception):
+    """A failure of the service's own parts (the registry), named by its wire `error_type`."""
+
+    error_type = "bad_request"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+# The HTTP status of every `error_type` an engine or service error carries (docs/api.md section 6).
+STATUS_OF_ERROR_TYPE = {
+    "bad_request": 400,
+    "forbidden": 403, "adapter_access": 403,
+    "not_found": 404, "adapter_not_found": 404,
+    "conflict": 409,
+    "payload_too_large": 413,
+    "validation": 422, "adapter_incompatible": 422, "adapter_invalid": 422,
+    "generation": 424, "adapter_unavailable": 424,
+    "overloaded": 429, "too_many_uploads": 429,
+    "incomplete_generation": 500,
+    "replica_unavailable": 503,
+}
 
 
 def bad_request(message: str) -> ApiError:
@@ -73,11 +100,12 @@ def payload_too_large(limit_bytes: int) -> ApiError:
     return ApiError(413, "payload_too_large", f"request body is larger than {limit_bytes} bytes")
 
 
-def from_engine_error(error: EngineError, retry_after_s: int) -> ApiError:
-    """The HTTP form of an engine error; 429 from the engine also gets `Retry-After`."""
-    headers = {"Retry-After": str(retry_after_s)} if error.status_code == 429 else None
+def from_engine_error(error: EngineError | ServiceError, retry_after_s: int) -> ApiError:
+    """The HTTP form of an engine or service error; a 429 also gets `Retry-After`."""
+    status = STATUS_OF_ERROR_TYPE[error.error_type]
+    headers = {"Retry-After": str(retry_after_s)} if status == 429 else None
     param = error.field if isinstance(error, ValidationError) else None
-    return ApiError(error.status_code, error.error_type, error.message, headers, param)
+    return ApiError(status, error.error_type, error.message, headers, param)
 
 
 def error_body(error_type: str, message: str) -> dict[str, str]:
@@ -134,7 +162,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(validation(describe_validation_errors(errors), first_location(errors)),
                               request.url.path)
 
-    async def on_engine_error(request: Request, error: EngineError) -> JSONResponse:
+    async def on_engine_error(request: Request, error: EngineError | ServiceError) -> JSONResponse:
         # Registry and adapter failures raised by routes that are not the engine's own.
         api_error = from_engine_error(error, request.app.state.server.config.retry_after_s)
         return error_response(api_error, request.url.path)
@@ -147,6 +175,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, on_http_exception)
     app.add_exception_handler(RequestValidationError, on_request_validation)
     app.add_exception_handler(EngineError, on_engine_error)
+    app.add_exception_handler(ServiceError, on_engine_error)
     app.add_exception_handler(Exception, on_unexpected)
 
 

@@ -11,9 +11,7 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Sequence
 
-from lora_runtime.core import RequestOutput, SamplingParams
-from lora_runtime.errors import ValidationError
-from server.engine_backend import EngineStream
+from lora_runtime.api import EngineStream, RequestOutput, SamplingParams, ValidationError
 
 
 class FanOutStream:

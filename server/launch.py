@@ -22,7 +22,7 @@ from server.tenancy import create_tenant, create_token, list_tenants
 
 if TYPE_CHECKING:  # the engine's modules import torch: `python -m server tokens ...` does without
     from lora_runtime.config import EngineConfig
-    from lora_runtime.engine_info import EngineInfo
+    from lora_runtime.api import EngineInfo
     from server.adapter_sources import AdapterServices
 
 logger = logging.getLogger("server")
@@ -62,6 +62,8 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model directory or .gguf file (default: the embedded model)")
     parser.add_argument("--dtype", default=None, help="model dtype, e.g. float32 or bfloat16")
     parser.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda")
+    parser.add_argument("--quantization", default=None, choices=["q8_0"],
+                        help="quantize a Hugging Face checkpoint's projections while loading it (default: none)")
     parser.add_argument("--threads", type=_positive_int, default=None,
                         help="the engine's compute threads (default: OMP_NUM_THREADS where set, else one per "
                              "physical core this process may run on)")
@@ -165,7 +167,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     from lora_runtime.config import AdapterConfig, EngineConfig, KVCacheConfig
 
-    options = (("model", args.model), ("dtype", args.dtype), ("device", args.device), ("num_threads", args.threads))
+    options = (("model", args.model), ("dtype", args.dtype), ("device", args.device), ("num_threads", args.threads),
+               ("quantization", args.quantization))
     engine_options = {key: value for key, value in options if value is not None}
     # Requests never name server paths: `local` is the configured adapter directory or nothing.
     memory = (("device_pool_bytes", args.adapter_pool_mib), ("host_cache_bytes", args.adapter_host_cache_mib))

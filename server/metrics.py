@@ -19,8 +19,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from lora_runtime.adapters.refs import AdapterRequest
-from lora_runtime.async_engine import EngineStats
+from lora_runtime.api import AdapterRequest, EngineStats
 from server.adapter_metrics import AdapterCounters, lora_requests_info
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)

@@ -11,11 +11,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from lora_runtime.adapters.merge import MergedAdapters
-from lora_runtime.adapters.refs import AdapterRef, AdapterRequest, Caller, parse_adapter_ref
-from lora_runtime.adapters.sources import ids
-from lora_runtime.core import MAX_TOP_LOGPROBS, SamplingParams
-from lora_runtime.errors import ValidationError
+from lora_runtime.api import (MAX_TOP_LOGPROBS, AdapterRef, AdapterRequest, Caller, MergedAdapters, SamplingParams,
+                              ValidationError, check_remote, infer_source, parse_adapter_ref)
 from lora_runtime.sampling.schema import schema_from_response_format
 from server.config import ServerConfig
 from server.errors import model_not_found
@@ -172,10 +169,10 @@ def _refuse_unservable(adapter_id: str, adapter_source: str | None, scope: Adapt
     adapter at all (`pbase` and `s3` ids have their own forms; `local` is only ever asked for by
     name): most often a model name typed out of habit (`llama-3-8b`), told so rather than 424 from a
     hub that is not there. An explicit `adapter_source` is the source's to answer."""
-    if adapter_source or scope.hub_enabled or ids.infer_source(adapter_id) != "hub":
+    if adapter_source or scope.hub_enabled or infer_source(adapter_id) != "hub":
         return
     # A malformed id (a way out, too long, control characters) is refused as such, and never quoted.
-    ids.check_remote(adapter_id)
+    check_remote(adapter_id)
     raise model_not_found(field, adapter_id, scope.deployment.base_model, scope.models_path)
 
 
@@ -201,11 +198,11 @@ def _merged_adapters(merged: WireMergedAdapters, scope: AdapterScope) -> MergedA
     return spec
 
 
-def adapter_headers(parameters: GenerateParameters | None) -> dict[str, str]:
-    """`x-adapter-id` and `x-adapter-source` for the adapter a request names (docs/api.md sections 3 and 5)."""
-    if parameters is not None and parameters.merged_adapters is not None:
-        return {"x-adapter-id": ",".join(parameters.merged_adapters.ids), "x-adapter-source": "merged"}
-    if parameters is None or not parameters.adapter_id:
+def adapter_headers(adapter: AdapterRequest | None) -> dict[str, str]:
+    """`x-adapter-id` and `x-adapter-source` for the adapter a request names (docs/api.md sections 3
+    and 5), read from `adapter_reference`'s answer: the source as parsed there, not inferred again."""
+    if adapter is None:
         return {"x-adapter-id": "", "x-adapter-source": "base"}
-    return {"x-adapter-id": parameters.adapter_id,
-            "x-adapter-source": parameters.adapter_source or ids.infer_source(parameters.adapter_id)}
+    if isinstance(adapter.adapter, MergedAdapters):
+        return {"x-adapter-id": ",".join(adapter.adapter.ids), "x-adapter-source": "merged"}
+    return {"x-adapter-id": adapter.adapter.adapter_id, "x-adapter-source": adapter.adapter.source}

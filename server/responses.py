@@ -8,8 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from lora_runtime.core import PrefillToken as EnginePrefillToken
-from lora_runtime.core import RequestOutput, SamplingParams, TokenInfo
+from lora_runtime.api import PrefillToken as EnginePrefillToken, RequestOutput, SamplingParams, TokenInfo
 from server.errors import ApiError, error_body
 from server.protocol import (
     AlternativeToken,

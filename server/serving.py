@@ -1,5 +1,6 @@
-"""The one path every inference route takes once it has read its request: admission, the engine,
-the client watched until the answer is complete, the `x-*` headers and the metrics.
+"""The one path every inference route takes (`handle`): the token and its tenant, the deployment,
+the body, then admission, the engine, the client watched until the answer is complete, the `x-*`
+headers and the metrics.
 
 A route (the TGI/LoRAX ones, the OpenAI-compatible ones) turns its body into an `EngineCall`: the
 engine's arguments plus an `Answer`, which renders the engine's outputs in that route's wire
@@ -19,15 +20,17 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
-from lora_runtime.adapters.refs import AdapterRequest
-from lora_runtime.core import CacheScope, RequestOutput, SamplingParams
-from lora_runtime.errors import EngineError
+from lora_runtime.api import (AdapterRequest, CacheScope, EngineError, EngineStream, RequestOutput,
+                              SamplingParams)
+from server.auth import authorize_tenant
+from server.body import read_model
 from server.bridge import final_output
-from server.engine_backend import EngineStream
+from server.deployments import resolve_deployment
 from server.errors import ApiError, from_engine_error
 from server.fan_out import FanOutStream
 from server.responses import Timing, generate_headers
-from server.state import ServerState
+from server.state import ServerState, server_state
+from server.tenancy import Deployment
 from server.streaming import CleanupStreamingResponse, first_output, sse_events
 
 logger = logging.getLogger(__name__)
@@ -65,6 +68,42 @@ class EngineCall:
     # `prompt` and `params`, and how many choices each contributes.
     fan_out: tuple[tuple[str | list[int], SamplingParams], ...] = ()
     choices_per_request: int = 1
+
+
+# A route's body to its `EngineCall`: (body, state, deployment, tenant) -> call; raises EngineError.
+CallBuilder = Callable[[Any, ServerState, Deployment, str], EngineCall]
+# What a route does to a refusal before it is answered (the OpenAI routes name their own fields).
+Renamer = Callable[[ApiError, Any], None]
+
+
+def _keep_names(error: ApiError, body: Any) -> None:
+    """The TGI/LoRAX routes' fields are the engine's: their refusals keep the names they have."""
+
+
+async def handle(request: Request, route: str, tenant_id: str, deployment_name: str, body_type: type,
+                 build: CallBuilder, rename: Renamer = _keep_names) -> Response:
+    """Serve one inference request, counted under `route` by its status: the bearer token and its
+    tenant, the deployment, the body read as `body_type`, `build`'s call, then `serve`."""
+    state = server_state(request)
+    return await counted(state, route, _read_and_serve(request, state, tenant_id, deployment_name, body_type,
+                                                       build, rename))
+
+
+async def _read_and_serve(request: Request, state: ServerState, tenant_id: str, deployment_name: str,
+                          body_type: type, build: CallBuilder, rename: Renamer) -> Response:
+    received = time.monotonic()
+    tenant = authorize_tenant(request, state.database, tenant_id)
+    deployment = resolve_deployment(state.database, tenant, deployment_name)
+    body = await read_model(request, body_type, state.config.max_body_bytes)
+    try:
+        try:
+            call = build(body, state, deployment, tenant)
+        except EngineError as error:
+            raise from_engine_error(error, state.config.retry_after_s) from None
+        return await serve(request, state, call, received)
+    except ApiError as error:
+        rename(error, body)
+        raise
 
 
 async def counted(state: ServerState, route: str, serve: Awaitable[Response]) -> Response:

@@ -6,13 +6,12 @@ from dataclasses import dataclass
 
 from starlette.requests import HTTPConnection
 
-from lora_runtime.engine_info import EngineInfo
+from lora_runtime.api import EngineBackend, EngineInfo
 from server.adapter_sources import AdapterServices
 from server.bridge import Admission
 from server.config import ServerConfig
 from server.cpu_placement import CpuPlacement
 from server.db import Database
-from server.engine_backend import EngineBackend
 from server.metrics import MetricsListener, ServerMetrics
 
 

@@ -10,10 +10,8 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from lora_runtime.core import RequestOutput
-from lora_runtime.errors import EngineError
+from lora_runtime.api import EngineError, EngineStream, RequestOutput
 from server.bridge import wait_for_disconnect
-from server.engine_backend import EngineStream
 from server.errors import ApiError
 from server.responses import SSE_KEEPALIVE, sse_event
 

@@ -11,7 +11,7 @@ import torch
 from kernels.attention.plans import CompiledAttentionPlan, StepSequences
 from kernels.attention.torch_ops import attend_prefill
 from kernels.backends.torch_backend import TorchBackend
-from kernels.linear import NO_READS, CompiledLinear, Reads, pack_linear_weight
+from kernels.linear import NO_READS, CompiledLinear, QuantizedLinear, Reads, pack_linear_weight
 from kernels.lora.layouts import LoraLayout, ModuleShape, TiledPages
 from kernels.lora.plans import CompiledLoraPlan, LoraSlice, PageTable, TorchLoraPlan
 from kernels.quantized import QuantizedWeight
@@ -41,7 +41,7 @@ class CompiledCPUBackend(TorchBackend):
 
     def linear(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None):
         if isinstance(weight, QuantizedWeight):
-            return super().linear(weight, bias)
+            return QuantizedLinear(weight, bias)
         packed = pack_linear_weight(weight) if bias is None else None
         return CompiledLinear(packed, weight) if packed is not None else super().linear(weight, bias)
 

@@ -563,6 +563,67 @@ double peak_read(const torch::Tensor& buffer, int64_t streams) {
   return table().peak_read(buffer.data_ptr(), static_cast<int64_t>(buffer.nbytes()), streams);
 }
 
+// The int8 dot product instructions of this CPU, which no form's flags imply (quantized.cpp picks
+// by them within its form): AVX512-VNNI (cpuid 7.0 ecx bit 11), AVX-VNNI (7.1 eax bit 4). Off while
+// `use_vnni(false)` holds, so that tests and benchmarks can run the widening path here too.
+bool vnni_allowed = true;
+
+cpu_ops::QuantizedLinearArgs int8_dots(cpu_ops::QuantizedLinearArgs args) {
+#if defined(__x86_64__)
+  uint32_t eax, ebx, ecx, edx;
+  if (vnni_allowed && __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) {
+    args.has_avx512_vnni = bit(ecx, 11);
+    if (eax >= 1 && __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) args.has_avx_vnni = bit(eax, 4);
+  }
+#endif
+  return args;
+}
+
+bool use_vnni(bool allowed) {
+  const bool previous = vnni_allowed;
+  vnni_allowed = allowed;
+  return previous;
+}
+
+std::string quantized_int8_dot() { return table().quantized_int8_dot(int8_dots({})); }
+
+// GGML block type number -> (elements, bytes) of a block (kernels/quantized.py BLOCK_TYPES).
+std::pair<int64_t, int64_t> ggml_block(int64_t ggml_type) {
+  static const std::map<int64_t, std::pair<int64_t, int64_t>> blocks{
+      {2, {32, 18}}, {3, {32, 20}}, {8, {32, 34}}, {12, {256, 144}}, {13, {256, 176}}, {14, {256, 210}}};
+  auto found = blocks.find(ggml_type);
+  TORCH_CHECK(found != blocks.end(), "no compiled kernel for GGML type ", ggml_type);
+  return found->second;
+}
+
+void check_blocks(const torch::Tensor& blocks, int64_t ggml_type, int64_t k) {
+  const auto [elements, bytes] = ggml_block(ggml_type);
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
+              "blocks must be a contiguous uint8 CPU [rows, row_bytes] tensor");
+  TORCH_CHECK(k % elements == 0 && blocks.size(1) == k / elements * bytes, "blocks' row bytes disagree with k and the type");
+}
+
+void quantized_linear(torch::Tensor out, torch::Tensor x, torch::Tensor blocks, int64_t ggml_type) {
+  check_rows(x, "x");
+  check_blocks(blocks, ggml_type, x.size(1));
+  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(0) == x.size(0) && out.size(1) == blocks.size(0) &&
+                  out.scalar_type() == x.scalar_type(), "out must be [rows of x, rows of blocks] of x's dtype, unit column stride");
+  cpu_ops::QuantizedLinearArgs args{dtype_of(x), static_cast<int32_t>(ggml_type), x.data_ptr(), blocks.data_ptr<uint8_t>(),
+                                    out.data_ptr(), x.size(0), x.size(1), out.stride(0), false, false};
+  if (x.size(0) == 0) return;
+  run_tasks(table().quantized_linear, int8_dots(args), blocks.size(0), row_grain(x.size(0) * x.size(1)));
+}
+
+void dequantize_rows(torch::Tensor out, torch::Tensor blocks, int64_t ggml_type) {
+  check_rows(out, "out");
+  check_blocks(blocks, ggml_type, out.size(1));
+  TORCH_CHECK(out.size(0) == blocks.size(0) && (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
+              "out must be float32 or bfloat16 [rows of blocks, k]");
+  const cpu_ops::DequantizeArgs args{dtype_of(out), static_cast<int32_t>(ggml_type), blocks.data_ptr<uint8_t>(),
+                                     out.data_ptr(), out.size(1)};
+  run_tasks(table().dequantize_rows, args, blocks.size(0), row_grain(out.size(1)));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -592,4 +653,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("fetch_pools") = std::vector<torch::Tensor>{}, py::arg("fetch_pages") = std::vector<torch::Tensor>{});
   m.def("peak_flops", &peak_flops);
   m.def("peak_read", &peak_read);
+  m.def("quantized_linear", &quantized_linear);
+  m.def("dequantize_rows", &dequantize_rows);
+  m.def("quantized_int8_dot", &quantized_int8_dot);
+  m.def("use_vnni", &use_vnni);
 }

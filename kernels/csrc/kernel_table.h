@@ -142,6 +142,30 @@ struct LinearArgs {
   int64_t row_parts;
 };
 
+// Tasks [begin, end): output columns [begin, end) of out [rows, n] (rows `out_stride` apart) =
+// x [rows, k] @ W.T, W [n, k] a row of GGML blocks of `ggml_type` per column (kernels/quantized.py),
+// x quantized per 32 elements to int8 (scale amax / 127) on the fly, int8 products summed in int32,
+// scaled and summed in float32, rounded once to x's dtype (kernels/csrc/quantized.cpp).
+struct QuantizedLinearArgs {
+  DType dtype;  // of x and out
+  int32_t ggml_type;
+  const void* x;  // [rows, k], contiguous
+  const uint8_t* blocks;  // [n, k / block_elements * block_bytes]
+  void* out;
+  int64_t rows, k, out_stride;
+  bool has_avx_vnni, has_avx512_vnni;  // this CPU's int8 dot product instructions (cpuid)
+};
+
+// Rows [begin, end) of out [rows, k] (float32: kernels.reference.dequantize bit for bit; bf16: that
+// rounded once) = the weight rows of GGML blocks.
+struct DequantizeArgs {
+  DType dtype;  // of out
+  int32_t ggml_type;
+  const uint8_t* blocks;
+  void* out;
+  int64_t k;
+};
+
 // A compiled-in tuning constant (kernels/tuning.py's CPU_KERNEL_CONSTANTS, generated into the build).
 struct Constant {
   const char* name;
@@ -180,6 +204,11 @@ struct KernelTable {
   // or 8) interleaved sequential streams, with this form's widest loads (the roofline's bandwidth);
   // 0 for another number of streams.
   double (*peak_read)(const void* data, int64_t bytes, int64_t streams);
+  // Quantized weights (kernels/csrc/quantized.cpp); `quantized_int8_dot` names the instruction the
+  // matmul multiplies with under these args ("avx512_vnni", "avx_vnni", "widening" or "portable").
+  void (*quantized_linear)(const QuantizedLinearArgs&, int64_t begin, int64_t end);
+  const char* (*quantized_int8_dot)(const QuantizedLinearArgs& args);
+  void (*dequantize_rows)(const DequantizeArgs&, int64_t begin, int64_t end);
 };
 
 }  // namespace cpu_ops

@@ -33,5 +33,8 @@ int64_t amx_linear_groups(const LinearArgs& args);
 bool attention_has_vector_form();
 double peak_flops(const char* kind, int64_t iterations, double seed);
 double peak_read(const void* data, int64_t bytes, int64_t streams);
+void quantized_linear(const QuantizedLinearArgs& args, int64_t begin, int64_t end);
+const char* quantized_int8_dot(const QuantizedLinearArgs& args);
+void dequantize_rows(const DequantizeArgs& args, int64_t begin, int64_t end);
 
 }  // namespace cpu_ops

@@ -37,6 +37,9 @@ cpu_ops::KernelTable make_table() {
 #endif
   table.peak_flops = &cpu_ops::peak_flops;
   table.peak_read = &cpu_ops::peak_read;
+  table.quantized_linear = &cpu_ops::quantized_linear;
+  table.quantized_int8_dot = &cpu_ops::quantized_int8_dot;
+  table.dequantize_rows = &cpu_ops::dequantize_rows;
   return table;
 }
 

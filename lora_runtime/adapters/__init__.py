@@ -1,37 +1,45 @@
 """Adapters: references and sources, PEFT loading and validation, merging, and the tiers that hold
 loaded adapters (the host cache, the device's adapter pages). The engine wires these together; nothing
-here knows about requests."""
-from lora_runtime.adapters.cache import AdapterCache, AdapterLease
-from lora_runtime.adapters.merge import MergedAdapters, merge_lora_weights
-from lora_runtime.adapters.pages import AdapterPagePool, AdapterPlacement
-from lora_runtime.adapters.peft_format import load_peft_adapter
-from lora_runtime.adapters.refs import AdapterKey, AdapterRef, AdapterRequest, AdapterSource, Caller, LocalSource, parse_adapter_ref
-from lora_runtime.adapters.weights import (
-    MODULE_NAMES,
-    AdapterLimits,
-    BaseModelShape,
-    LoraModuleWeights,
-    LoraWeights,
-)
+here knows about requests.
 
-__all__ = [
-    "MODULE_NAMES",
-    "AdapterCache",
-    "AdapterKey",
-    "AdapterLease",
-    "AdapterLimits",
-    "AdapterPagePool",
-    "AdapterPlacement",
-    "AdapterRef",
-    "AdapterRequest",
-    "AdapterSource",
-    "BaseModelShape",
-    "Caller",
-    "LocalSource",
-    "LoraModuleWeights",
-    "LoraWeights",
-    "MergedAdapters",
-    "load_peft_adapter",
-    "merge_lora_weights",
-    "parse_adapter_ref",
-]
+Names are imported on first use (PEP 562): the torch-free modules (`refs`, `merge_request`) import
+without the others' torch."""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Each public name -> the module that defines it.
+_HOMES = {
+    "MODULE_NAMES": "lora_runtime.adapters.weights",
+    "AdapterCache": "lora_runtime.adapters.cache",
+    "AdapterKey": "lora_runtime.adapters.refs",
+    "AdapterLease": "lora_runtime.adapters.cache",
+    "AdapterLimits": "lora_runtime.engine_info",
+    "AdapterPagePool": "lora_runtime.adapters.pages",
+    "AdapterPlacement": "lora_runtime.adapters.pages",
+    "AdapterRef": "lora_runtime.adapters.refs",
+    "AdapterRequest": "lora_runtime.adapters.refs",
+    "AdapterSource": "lora_runtime.adapters.refs",
+    "BaseModelShape": "lora_runtime.engine_info",
+    "Caller": "lora_runtime.adapters.refs",
+    "LocalSource": "lora_runtime.adapters.refs",
+    "LoraModuleWeights": "lora_runtime.adapters.weights",
+    "LoraWeights": "lora_runtime.adapters.weights",
+    "MergedAdapters": "lora_runtime.adapters.merge_request",
+    "load_peft_adapter": "lora_runtime.adapters.peft_format",
+    "merge_lora_weights": "lora_runtime.adapters.merge",
+    "parse_adapter_ref": "lora_runtime.adapters.refs",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        # `from lora_runtime.adapters import weights` (a submodule) is found by the import system
+        # before this function; anything else is a typo.
+        raise AttributeError(f"module 'lora_runtime.adapters' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value
+    return value

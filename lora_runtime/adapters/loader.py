@@ -9,10 +9,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lora_runtime.adapters.merge import MergedAdapters, merge_lora_weights
+from lora_runtime.adapters.merge import merge_lora_weights
+from lora_runtime.adapters.merge_request import MergedAdapters
 from lora_runtime.adapters.peft_format import load_peft_adapter
-from lora_runtime.adapters.refs import AdapterRef, AdapterRequest, AdapterSource, Caller, LocalSource, parse_adapter_ref
-from lora_runtime.adapters.weights import AdapterLimits, BaseModelShape, LoraWeights
+from lora_runtime.adapters.refs import AdapterArgument, AdapterRef, AdapterRequest, AdapterSource, Caller, LocalSource, parse_adapter_ref
+from lora_runtime.adapters.weights import LoraWeights
+from lora_runtime.engine_info import AdapterLimits, BaseModelShape
 from lora_runtime.errors import AdapterInvalidError, ValidationError
 
 logger = logging.getLogger(__name__)
@@ -42,7 +44,7 @@ class AdapterLoader:
         self.allow_local_paths = allow_local_paths
         self.sources: dict[str, AdapterSource] = {"local": LocalSource(), **sources}
 
-    def parse(self, adapter: object, caller: Caller = Caller()) -> AdapterRequest | None:
+    def parse(self, adapter: AdapterArgument, caller: Caller = Caller()) -> AdapterRequest | None:
         """Accept None, an id string, an `AdapterRef`, a `MergedAdapters` or an `AdapterRequest`."""
         if adapter is None or adapter == "":
             return None

@@ -24,8 +24,9 @@ from lora_runtime.adapters.cache import AdapterCache, AdapterLease
 from lora_runtime.adapters.loader import AdapterLoader
 from lora_runtime.adapters.page_tensors import AdapterPageTensors, HostAdapter, LoraStep, bytes_per_page, module_shapes
 from lora_runtime.adapters.pages import AdapterPagePool, AdapterPlacement
-from lora_runtime.adapters.refs import AdapterKey, AdapterRequest, AdapterSource, Caller
-from lora_runtime.adapters.weights import MODULE_NAMES, AdapterLimits, BaseModelShape
+from lora_runtime.adapters.refs import AdapterArgument, AdapterKey, AdapterRequest, AdapterSource, Caller
+from lora_runtime.adapters.weights import MODULE_NAMES
+from lora_runtime.engine_info import AdapterLimits, BaseModelShape
 from lora_runtime.config import AdapterConfig
 
 logger = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ class AdapterManager:
         self.pages = AdapterPagePool(num_pages, MODULE_NAMES, self.module_ranks)
         self.page_tensors = AdapterPageTensors(layout, base_shape, num_pages, backend.device)
 
-    def parse(self, adapter: object, caller: Caller = Caller()) -> AdapterRequest | None:
+    def parse(self, adapter: AdapterArgument, caller: Caller = Caller()) -> AdapterRequest | None:
         """Accept None, an id string, an `AdapterRef`, a `MergedAdapters` or an `AdapterRequest`."""
         return self.loader.parse(adapter, caller)
 

@@ -22,7 +22,8 @@ from kernels.lora.layouts import PAGE_ROWS, LoraLayout, ModuleShape, pages_for_r
 from kernels.lora.plans import LoraSlice, PageTable
 from lora_runtime.adapters.loader import LoadedAdapter
 from lora_runtime.adapters.pages import AdapterPlacement
-from lora_runtime.adapters.weights import MODULE_NAMES, BaseModelShape, LoraWeights
+from lora_runtime.adapters.weights import MODULE_NAMES, LoraWeights
+from lora_runtime.engine_info import BaseModelShape
 
 # Fused projection -> the HF modules it concatenates, in output-column order.
 PROJECTION_SLICES: dict[str, tuple[str, ...]] = {

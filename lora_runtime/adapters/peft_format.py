@@ -22,25 +22,23 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from lora_runtime.adapter_files import ADAPTER_CONFIG_FILE as CONFIG_FILE
+from lora_runtime.adapter_files import BIN_FILE, SAFETENSORS_FILE
 from lora_runtime.adapters.peft_config import check_supported_config, module_rank_and_alpha
 from lora_runtime.adapters.weights import (
     FUSED_MODULES,
     MODULE_NAMES,
     TARGETABLE_MODULES,
-    AdapterLimits,
-    BaseModelShape,
     LoraModuleWeights,
     LoraWeights,
     ModuleKey,
     unbounded_module,
 )
+from lora_runtime.engine_info import AdapterLimits, BaseModelShape
 from lora_runtime.errors import AdapterIncompatibleError, AdapterInvalidError
 
 logger = logging.getLogger(__name__)
 
-CONFIG_FILE = "adapter_config.json"
-SAFETENSORS_FILE = "adapter_model.safetensors"
-BIN_FILE = "adapter_model.bin"
 BIN_REFUSAL = (f"{BIN_FILE} is corrupt or not a plain tensor checkpoint (a dictionary of named "
                f"tensors); save the adapter as {SAFETENSORS_FILE}")
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from lora_runtime.adapters.merge import MergedAdapters
-from lora_runtime.adapters.peft_format import CONFIG_FILE
+from lora_runtime.adapters.merge_request import MergedAdapters
+from lora_runtime.adapter_files import ADAPTER_CONFIG_FILE as CONFIG_FILE
 from lora_runtime.adapters.sources import ids
 from lora_runtime.errors import AdapterNotFoundError, ValidationError
 
@@ -105,6 +105,12 @@ class AdapterRequest:
     def part(self, adapter_id: str, allow_local: bool) -> AdapterRequest:
         """The request for one id of this merge, for the same caller."""
         return AdapterRequest(parse_adapter_ref(adapter_id, allow_local=allow_local), self.caller)
+
+
+# What a library caller may name as a request's adapter: an id (a local path works), a parsed
+# reference, a merge, or a whole request; None (or "") for the base model. The service sends only
+# `AdapterRequest`s (`EngineBackend.add_request`).
+AdapterArgument = str | AdapterRef | MergedAdapters | AdapterRequest | None
 
 
 class AdapterSource(Protocol):

@@ -261,8 +261,18 @@ def next_token_logprobs(logits: torch.Tensor, next_token_ids: Sequence[int]) -> 
     assert logits.shape[0] == len(next_token_ids), "one row of logits per next token"
     if not next_token_ids:
         return []
-    targets = torch.tensor(list(next_token_ids), device=logits.device)[:, None]  # [N, 1]
-    return torch.log_softmax(logits.float(), dim=-1).gather(1, targets)[:, 0].tolist()
+    return chunk_logprobs(logits, next_token_ids, num_top=0)[0]
+
+
+def chunk_logprobs(logits: torch.Tensor, next_token_ids: Sequence[int],
+                   num_top: int) -> tuple[list[float], list[TopPairs] | None]:
+    """One prefill chunk's piece of the prompt's logprobs (`decoder_input_details`): row i of
+    `logits` [N, vocab] log-softmaxed at `next_token_ids[i]`, and each row's `num_top` most likely
+    tokens (None when 0)."""
+    rows = torch.log_softmax(logits.float(), dim=-1)  # [N, vocab]
+    targets = torch.tensor(list(next_token_ids), device=rows.device)[:, None]  # [N, 1]
+    values = rows.gather(1, targets)[:, 0].tolist()
+    return values, top_tokens(rows, num_top) if num_top > 0 else None
 
 
 def _pick_seed(params: SamplingParams, candidate_index: int) -> int | None:

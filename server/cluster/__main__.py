@@ -13,11 +13,12 @@ import sys
 import threading
 
 from server.cluster.app import APP_NAME, application, cluster_parser
+from server.launch import program_name
 
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    parser = cluster_parser()
+    parser = cluster_parser(program_name("server.cluster"))
     args = parser.parse_args(argv)
     import ray
     from ray import serve

@@ -22,11 +22,8 @@ from ray import exceptions as ray_errors
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from lora_runtime.adapters.refs import AdapterRequest
-from lora_runtime.async_engine import EngineStats
-from lora_runtime.core import CacheScope, RequestOutput, SamplingParams
-from lora_runtime.engine_info import EngineInfo
-from lora_runtime.errors import EngineError
+from lora_runtime.api import (AdapterRequest, CacheScope, EngineError, EngineInfo, EngineStats,
+                              RequestOutput, SamplingParams)
 from server.cluster.wire import Accepted, Failed, ReplicaReport, adapter_model_id
 
 logger = logging.getLogger(__name__)
@@ -40,14 +37,12 @@ class ReplicaUnavailableError(EngineError):
     """The replica running the request died or could not be reached."""
 
     error_type = "replica_unavailable"
-    status_code = 503
 
 
 class ClusterOverloadedError(EngineError):
     """Every replica is at its admission bound and the router's queue is full."""
 
     error_type = "overloaded"
-    status_code = 429
 
 
 @contextlib.contextmanager

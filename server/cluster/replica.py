@@ -21,10 +21,8 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from lora_runtime import AsyncEngine, Engine, EngineConfig
-from lora_runtime.adapters.refs import AdapterRequest
-from lora_runtime.core import CacheScope, RequestOutput, SamplingParams
-from lora_runtime.engine_info import EngineInfo
-from lora_runtime.errors import EngineError, RequestAbortedError
+from lora_runtime.api import (AdapterRequest, CacheScope, EngineError, EngineInfo, RequestAbortedError,
+                              RequestOutput, SamplingParams)
 from server.adapter_sources import engine_adapter_sources
 from server.cluster.remote import REPORT_INTERVAL_S
 from server.cluster.wire import Accepted, Failed, ReplicaReport
@@ -97,8 +95,7 @@ class EngineReplica:
             await self._engine.shutdown(0.0)
 
     def _report(self) -> ReplicaReport:
-        cached = tuple(key for key, _, _ in self._engine.engine.adapters.host.snapshot())
-        return ReplicaReport(self.replica_id, self._engine.stats(), cached)
+        return ReplicaReport(self.replica_id, self._engine.stats(), self._engine.cached_adapters())
 
     async def _publish_forever(self) -> None:
         while True:

@@ -7,9 +7,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from lora_runtime.adapters.refs import AdapterKey
-from lora_runtime.async_engine import EngineStats
-from lora_runtime.errors import EngineError
+from lora_runtime.api import AdapterKey, EngineError, EngineStats
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,9 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from lora_runtime.adapters.refs import AdapterRequest
-from lora_runtime.core import SamplingParams
-from lora_runtime.errors import ValidationError
+from lora_runtime.api import AdapterRequest, SamplingParams, ValidationError
 from lora_runtime.sampling.schema import schema_from_response_format
 from server.config import ServerConfig
 from server.deployments import Deployment
@@ -62,9 +60,10 @@ def adapter_for(body: ChatCompletionRequest | CompletionRequest,
         parameters = GenerateParameters(adapter_id=body.model, adapter_source=body.adapter_source,
                                         api_token=body.api_token)
     try:
-        return adapter_reference(parameters, scope), adapter_headers(parameters)
+        adapter = adapter_reference(parameters, scope)
     except ValidationError as error:
         raise ValidationError("model", error.message.removeprefix("adapter_id: ")) from None
+    return adapter, adapter_headers(adapter)
 
 
 def chat_sampling_params(body: ChatCompletionRequest, config: ServerConfig, tools: ToolPlan | None) -> SamplingParams:

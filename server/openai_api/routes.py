@@ -9,7 +9,6 @@ OpenAI's shape (`server.errors`), with the request's own parameter names.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +16,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from lora_runtime.core import CacheScope
-from lora_runtime.errors import EngineError, ValidationError
+from lora_runtime.api import CacheScope, ValidationError
 from server.auth import authorize_tenant
-from server.body import read_model
 from server.deployments import resolve_deployment
-from server.errors import ApiError, from_engine_error
+from server.errors import ApiError
 from server.openai_api.answers import ChatAnswer, CompletionAnswer
 from server.openai_api.params import (
     adapter_for,
@@ -45,7 +42,7 @@ from server.fan_out import fan_out_requests
 from server.params import adapter_scope
 from server.routes.inference import PREFIX
 from server.routes.openapi import OPENAI_ERROR_RESPONSES, openai_generation_doc
-from server.serving import EngineCall, counted, serve
+from server.serving import CallBuilder, EngineCall, handle
 from server.state import ServerState, server_state
 from server.tenancy import Deployment
 
@@ -105,45 +102,19 @@ async def completions(request: Request, tenant_id: str, deployment_name: str) ->
     return await _handle(request, tenant_id, deployment_name, CompletionRequest, _completion_call)
 
 
-CallBuilder = Callable[[Body, ServerState, Deployment, str], EngineCall]
-
-
 async def _handle(request: Request, tenant_id: str, deployment_name: str, body_type: type[Body],
                   build: CallBuilder) -> Response:
-    state = server_state(request)
     route = "chat_completions" if body_type is ChatCompletionRequest else "completions"
-    return await counted(state, route, _serve(request, state, tenant_id, deployment_name, body_type, build))
+    return await handle(request, route, tenant_id, deployment_name, body_type, build, _name_for)
 
 
-async def _serve(request: Request, state: ServerState, tenant_id: str, deployment_name: str,
-                 body_type: type[Body], build: CallBuilder) -> Response:
-    received = time.monotonic()
-    tenant = authorize_tenant(request, state.database, tenant_id)
-    deployment = resolve_deployment(state.database, tenant, deployment_name)
-    body = await read_model(request, body_type, state.config.max_body_bytes)
-    return await _named_for(body, _call_and_serve(request, state, body, deployment, tenant, build, received))
-
-
-async def _call_and_serve(request: Request, state: ServerState, body: Body, deployment: Deployment,
-                          tenant: str, build: CallBuilder, received: float) -> Response:
-    try:
-        call = build(body, state, deployment, tenant)
-    except EngineError as error:
-        raise from_engine_error(error, state.config.retry_after_s) from None
-    return await serve(request, state, call, received)
-
-
-async def _named_for(body: Body, answer: Awaitable[Response]) -> Response:
-    """`answer`, its errors naming the request's parameters rather than the engine's fields."""
-    try:
-        return await answer
-    except ApiError as error:
-        if error.param is not None:
-            name = wire_name(error.param, body)
-            if error.message.startswith(error.param + ":"):
-                error.message = name + error.message[len(error.param):]
-            error.param = name
-        raise
+def _name_for(error: ApiError, body: Body) -> None:
+    """The refusal naming the request's parameters rather than the engine's fields."""
+    if error.param is not None:
+        name = wire_name(error.param, body)
+        if error.message.startswith(error.param + ":"):
+            error.message = name + error.message[len(error.param):]
+        error.param = name
 
 
 def _chat_call(body: ChatCompletionRequest, state: ServerState, deployment: Deployment,

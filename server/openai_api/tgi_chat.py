@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lora_runtime.core import RequestOutput
+from lora_runtime.api import RequestOutput
 from server.openai_api.answers import ChatAnswer
 
 

@@ -17,8 +17,7 @@ from typing import Any
 import jsonschema
 import llguidance
 
-from lora_runtime.core import ToolCalling
-from lora_runtime.errors import ValidationError
+from lora_runtime.api import ToolCalling, ValidationError
 from lora_runtime.sampling.schema import JSON_COMPILE_OPTIONS
 from server.openai_api.protocol import ChatCompletionRequest
 

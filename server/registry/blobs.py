@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from lora_runtime.adapters.sources.download import copy_bounded
+from lora_runtime.adapter_files import copy_bounded
 from lora_runtime.adapters.sources.s3 import S3Config, make_s3_client
 from server.registry.errors import ByteBound
 

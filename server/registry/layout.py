@@ -18,8 +18,8 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from lora_runtime.adapters.peft_format import read_bin_tensors
-from lora_runtime.adapters.sources.download import ADAPTER_CONFIG_FILE, ADAPTER_FILES
-from lora_runtime.errors import AdapterInvalidError, ValidationError
+from lora_runtime.adapter_files import ADAPTER_CONFIG_FILE, ADAPTER_FILES
+from lora_runtime.api import AdapterInvalidError, ValidationError
 
 CHECKPOINT_DIR = re.compile(r"checkpoint-([0-9]{1,9})")
 UPLOAD_NAME = re.compile(r"(?:checkpoint-[0-9]{1,9}/)?[A-Za-z0-9][A-Za-z0-9._-]{0,63}")

@@ -17,7 +17,7 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session, selectinload
 
-from lora_runtime.errors import ValidationError
+from lora_runtime.api import ValidationError
 from server.registry.errors import RepoExistsError, RepoNotFoundError, VersionNotFoundError
 from server.registry.models import AdapterCheckpoint, AdapterRepo, AdapterVersion, as_utc
 

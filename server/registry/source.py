@@ -12,9 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from lora_runtime.adapters.refs import AdapterRef, Caller
+from lora_runtime.api import AdapterNotFoundError, AdapterRef, Caller
 from lora_runtime.adapters.sources.download import AdapterStore, RemoteFile, select_adapter_files
-from lora_runtime.errors import AdapterNotFoundError
 from server.registry import repos
 from server.registry.blobs import BlobStore
 from server.registry.errors import VersionNotFoundError

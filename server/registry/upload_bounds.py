@@ -10,8 +10,8 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from lora_runtime.adapters.sources.download import ADAPTER_CONFIG_FILE, WEIGHT_FILES
-from lora_runtime.adapters.weights import AdapterLimits, BaseModelShape
+from lora_runtime.adapter_files import ADAPTER_CONFIG_FILE, WEIGHT_FILES
+from lora_runtime.api import AdapterLimits, BaseModelShape
 from server.registry.errors import ByteBound
 
 # PEFT writes about 1 KB; a `target_modules` list naming every module of an 80-layer model is ~25 KB.

@@ -25,7 +25,8 @@ from typing import BinaryIO
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from lora_runtime.errors import ValidationError
+from lora_runtime.adapter_files import ADAPTER_CONFIG_FILE, BIN_FILE, SAFETENSORS_FILE
+from lora_runtime.api import ValidationError
 from server.registry.errors import ByteBound, PayloadTooLargeError, TooManyUploadsError, UploadNotFoundError
 from server.registry.layout import check_upload_name
 from server.registry.models import UploadSession, as_utc, utc_now
@@ -38,7 +39,7 @@ from server.registry.upload_bounds import (Reservation, StagingLedger, file_boun
 logger = logging.getLogger(__name__)
 
 # The files the predibase SDK expects URLs for, whichever it has (docs/api.md section 1).
-STANDARD_UPLOAD_FILES = ("adapter_config.json", "adapter_model.bin", "adapter_model.safetensors")
+STANDARD_UPLOAD_FILES = (ADAPTER_CONFIG_FILE, BIN_FILE, SAFETENSORS_FILE)
 UPLOAD_ROUTE = "/v2/adapters/upload/files"
 UPLOAD_ID = re.compile(r"[0-9a-f]{48}")  # secrets.token_hex(24)
 # States whose staged files count against the tenant (a `done` upload's files are deleted).

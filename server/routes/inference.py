@@ -7,17 +7,11 @@ follows the parameters is `server.serving`'s, shared with the OpenAI-compatible 
 from __future__ import annotations
 
 import enum
-import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from lora_runtime.core import CacheScope
-from lora_runtime.errors import EngineError, ValidationError
-from server.auth import authorize_tenant
-from server.body import read_model
-from server.deployments import resolve_deployment
-from server.errors import from_engine_error
+from lora_runtime.api import CacheScope, ValidationError
 from server.params import (
     AdapterScope,
     adapter_headers,
@@ -29,8 +23,9 @@ from server.params import (
 from server.protocol import CompatRequest, GenerateRequest
 from server.responses import TgiAnswer
 from server.routes.openapi import COMPAT_DOC, GENERATE_DOC, STREAM_DOC
-from server.serving import EngineCall, counted, serve
-from server.state import ServerState, server_state
+from server.serving import EngineCall, handle
+from server.state import ServerState
+from server.tenancy import Deployment
 
 PREFIX = "/{tenant_id}/deployments/v2/llms/{deployment_name}"
 router = APIRouter(tags=["inference"])
@@ -58,35 +53,25 @@ async def generate_stream(request: Request, tenant_id: str, deployment_name: str
 
 
 async def _handle(request: Request, tenant_id: str, deployment_name: str, mode: Mode) -> Response:
-    state = server_state(request)
-    return await counted(state, mode.value, _serve(request, state, tenant_id, deployment_name, mode))
+    body_type = CompatRequest if mode is Mode.COMPAT else GenerateRequest
 
+    def build(body: GenerateRequest, state: ServerState, deployment: Deployment, tenant: str) -> EngineCall:
+        is_stream = mode is Mode.STREAM or (mode is Mode.COMPAT and bool(body.stream))
+        return _engine_call(body, state, adapter_scope(tenant, deployment, state.config), is_stream,
+                            as_array=mode is Mode.COMPAT, base_model=deployment.base_model)
 
-async def _serve(request: Request, state: ServerState, tenant_id: str, deployment_name: str,
-                 mode: Mode) -> Response:
-    received = time.monotonic()
-    tenant = authorize_tenant(request, state.database, tenant_id)
-    deployment = resolve_deployment(state.database, tenant, deployment_name)
-    body = await read_model(request, CompatRequest if mode is Mode.COMPAT else GenerateRequest,
-                            state.config.max_body_bytes)
-    is_stream = mode is Mode.STREAM or (mode is Mode.COMPAT and bool(body.stream))
-    try:
-        call = _engine_call(body, state, adapter_scope(tenant, deployment, state.config), is_stream,
-                            as_array=mode is Mode.COMPAT,
-                            identity={"x-model-id": deployment.base_model, **adapter_headers(body.parameters)})
-    except EngineError as error:
-        raise from_engine_error(error, state.config.retry_after_s) from None
-    return await serve(request, state, call, received)
+    return await handle(request, mode.value, tenant_id, deployment_name, body_type, build)
 
 
 def _engine_call(body: GenerateRequest, state: ServerState, scope: AdapterScope, is_stream: bool,
-                 as_array: bool, identity: dict[str, str]) -> EngineCall:
+                 as_array: bool, base_model: str) -> EngineCall:
     """The engine's arguments and the TGI answer; raises EngineError (422) on refusal."""
     if not body.inputs:
         raise ValidationError("inputs", "must not be empty")
     params = to_sampling_params(body.parameters, state.config, is_stream)
     answer = TgiAnswer(body.inputs, params, top_counts(body.parameters), as_array)
     salt = body.parameters.cache_salt if body.parameters is not None else None
-    return EngineCall(prompt=body.inputs, params=params, adapter=adapter_reference(body.parameters, scope),
+    adapter = adapter_reference(body.parameters, scope)
+    return EngineCall(prompt=body.inputs, params=params, adapter=adapter,
                       cache_scope=CacheScope(scope.tenant, salt), is_stream=is_stream, answer=answer,
-                      identity=identity)
+                      identity={"x-model-id": base_model, **adapter_headers(adapter)})

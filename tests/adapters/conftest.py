@@ -4,7 +4,7 @@ import pytest
 from transformers import LlamaForCausalLM
 
 from tests.adapters.peft_factory import tiny_llama
-from tests.fixtures.hub_server import HubServer
+from benchmarks.loopback_hub import HubServer
 
 
 @pytest.fixture(scope="session")

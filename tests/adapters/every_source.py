@@ -13,8 +13,9 @@ import kernels
 from lora_runtime.adapters.manager import AdapterManager
 from lora_runtime.adapters.peft_format import load_peft_adapter
 from lora_runtime.adapters.refs import AdapterRequest, Caller, parse_adapter_ref
-from lora_runtime.adapters.sources.download import ADAPTER_FILES, AdapterStore
-from lora_runtime.adapters.weights import AdapterLimits, BaseModelShape
+from lora_runtime.adapter_files import ADAPTER_FILES
+from lora_runtime.adapters.sources.download import AdapterStore
+from lora_runtime.engine_info import AdapterLimits, BaseModelShape
 from lora_runtime.config import AdapterConfig
 from lora_runtime.errors import AdapterInvalidError
 from server.adapter_sources import build_adapter_sources
@@ -23,7 +24,7 @@ from server.registry.blobs import LocalBlobStore
 from server.registry.layout import read_layout
 from server.registry.source import PbaseResolver
 from tests.fixtures.adapters import BASE_MODEL_NAME, TINY_LLAMA
-from tests.fixtures.hub_server import HubServer
+from benchmarks.loopback_hub import HubServer
 
 BASE_SHAPE = BaseModelShape.from_hf_config(BASE_MODEL_NAME, TINY_LLAMA)
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from lora_runtime.adapters.peft_format import BIN_FILE, SAFETENSORS_FILE
-from lora_runtime.adapters.sources.download import ADAPTER_FILES
+from lora_runtime.adapter_files import ADAPTER_FILES
 from tests.adapters.every_source import engine_refusal, manager_with_every_source, upload_refusal
 from tests.fixtures.adapters import make_lora_adapter, read_file_bytes
-from tests.fixtures.hub_server import HubRepo, HubServer
+from benchmarks.loopback_hub import HubRepo, HubServer
 
 LIBRARY_TEXT = ("weights_only", "torch.load", "Weights only", "GLOBAL", "miniz", "pytorch.org", "\x1b")
 

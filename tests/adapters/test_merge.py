@@ -15,7 +15,8 @@ from peft import LoraConfig, PeftModel
 from peft.tuners.lora import LoraLayer
 
 from lora_runtime.adapters import AdapterLimits, LoraWeights, MergedAdapters, load_peft_adapter
-from lora_runtime.adapters.merge import MAX_MERGE_WEIGHT, MAX_MERGED_ADAPTERS, merge_lora_weights
+from lora_runtime.adapters.merge import merge_lora_weights
+from lora_runtime.adapters.merge_request import MAX_MERGE_WEIGHT, MAX_MERGED_ADAPTERS
 from lora_runtime.adapters.weights import LoraModuleWeights
 from lora_runtime.errors import AdapterIncompatibleError, ValidationError
 from tests.adapters.peft_factory import peft_model, randomize_lora, save_adapter, tiny_shape
@@ -195,4 +196,4 @@ def test_merged_factors_that_overflow_are_refused_with_a_typed_error() -> None:
     overflow = r"merged_adapters.weights: .*layer 0 q_proj overflow"
     with pytest.raises(AdapterIncompatibleError, match=overflow) as raised:
         merge_lora_weights(adapters, MergedAdapters(["x", "y"], [MAX_MERGE_WEIGHT, 1.0]))
-    assert raised.value.status_code == 422
+    assert raised.value.error_type == "adapter_incompatible"

@@ -12,7 +12,8 @@ from peft.tuners.lora import LoraLayer
 from safetensors.torch import load_file
 
 from lora_runtime.adapters import AdapterLimits, load_peft_adapter
-from lora_runtime.adapters.peft_format import BIN_FILE, CONFIG_FILE, SAFETENSORS_FILE
+from lora_runtime.adapter_files import ADAPTER_CONFIG_FILE as CONFIG_FILE
+from lora_runtime.adapter_files import BIN_FILE, SAFETENSORS_FILE
 from lora_runtime.errors import AdapterIncompatibleError, AdapterInvalidError
 from tests.adapters.peft_factory import peft_model, save_adapter, tiny_llama, tiny_shape
 

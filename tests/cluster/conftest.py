@@ -17,7 +17,7 @@ import pytest
 from server.db import open_database
 from server.tenancy import create_tenant, create_token
 from tests.fixtures.postgres import find_postgres_bin_dir, start_postgres
-from tests.fixtures.s3_server import REGION, s3_server
+from benchmarks.loopback_s3 import REGION, s3_server
 from tests.wiring.conftest import make_embedded_adapter
 
 if importlib.util.find_spec("ray") is None:  # the cluster extra (pip install .[cluster]) is not installed

@@ -15,7 +15,7 @@ import pytest
 
 from server.client import Client
 from tests.cluster.conftest import ADAPTERS, GROUP, MAX_IN_FLIGHT, Cluster
-from tests.fixtures.s3_server import s3_server
+from benchmarks.loopback_s3 import s3_server
 
 pytestmark = [GROUP, pytest.mark.slow]
 
@@ -29,7 +29,7 @@ def _replica(response: httpx.Response) -> str:
 def uploaded(cluster: Cluster) -> list[str]:
     """ADAPTERS uploaded through the ingress as pbase repos of tenant demo."""
     client = Client(cluster.base_url, cluster.token, "demo", cluster.model_name)
-    with s3_server().without_authentication():  # the upload's presigned PUTs (tests/fixtures/s3_server.py)
+    with s3_server().without_authentication():  # the upload's presigned PUTs (benchmarks/loopback_s3.py)
         return [client.upload(cluster.adapter_dirs[name], name).adapter_id for name in ADAPTERS]
 
 

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from lora_runtime.adapters.refs import AdapterKey
-from lora_runtime.async_engine import EngineStats
+from lora_runtime.api import EngineStats
 from server.cluster.remote import sum_stats
 from server.cluster.replica import ReplicaDirectory
 from server.cluster.wire import ReplicaReport, adapter_model_id

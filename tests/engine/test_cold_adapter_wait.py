@@ -18,7 +18,8 @@ import torch
 from peft import LoraConfig
 from safetensors.torch import save_file
 
-from lora_runtime.adapters.weights import MODULE_NAMES, BaseModelShape
+from lora_runtime.adapters.weights import MODULE_NAMES
+from lora_runtime.engine_info import BaseModelShape
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RANK = 16

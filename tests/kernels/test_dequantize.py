@@ -9,7 +9,7 @@ import torch
 from gguf import GGMLQuantizationType, dequantize
 
 from kernels import reference
-from kernels.quantized import BLOCK_TYPES, QuantizedWeight
+from kernels.quantized import BLOCK_TYPES, QuantizedWeight, quantize_q8_0
 from tests.kernels.quant_blocks import QUANTIZABLE, quantized_by_gguf, random_blocks
 
 
@@ -48,3 +48,11 @@ def test_quantized_linear_twin_over_mixed_parts() -> None:
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(0))
     dense = torch.cat([_gguf_dequantized(part) for part in parts])
     torch.testing.assert_close(reference.quantized_linear(x, weight), x @ dense.T, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows, cols", [(1, 32), (7, 96), (5, 576)])
+def test_quantize_q8_0_bit_exact_against_gguf(rows: int, cols: int) -> None:
+    weight = torch.randn(rows, cols, generator=torch.Generator().manual_seed(cols)) * 0.05
+    weight[0, :32] = 0.0  # a block of zeros: scale 0
+    ours = quantize_q8_0(weight)
+    assert torch.equal(ours.data, quantized_by_gguf("Q8_0", weight).data)

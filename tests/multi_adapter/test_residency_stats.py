@@ -20,13 +20,15 @@ def test_stats_count_cached_pinned_and_resident_adapters(tiny_dir, adapter_dirs)
             for stream in streams:
                 async for _ in stream:
                     pass
-            return before, engine.stats()
+            return before, engine.stats(), engine.cached_adapters()
         finally:
             await engine.shutdown()
 
-    before, after = asyncio.run(run())
+    before, after, cached = asyncio.run(run())
     assert (before.num_resident_adapters, before.num_cached_adapters) == (0, 0)
     assert before.num_free_adapter_pages == before.num_total_adapter_pages > 0
     assert after.num_cached_adapters == after.num_resident_adapters == 2 and after.num_pinned_adapters == 0
     # Two adapters of rank <= 16, one page each in the modules they adapt; both stay resident while idle.
     assert after.num_free_adapter_pages == after.num_total_adapter_pages - 1
+    # What a cluster replica reports it holds: the host cache's keys, the two adapters' paths.
+    assert sorted(key.adapter_id for key in cached) == sorted(str(adapter_dirs[name]) for name in ("q_v_r8", "rslora_r16"))

@@ -12,7 +12,8 @@ from sqlalchemy import create_engine
 from sqlalchemy.orm import sessionmaker
 
 from lora_runtime.adapters.refs import Caller, parse_adapter_ref
-from lora_runtime.adapters.sources.download import ADAPTER_FILES, AdapterStore
+from lora_runtime.adapter_files import ADAPTER_FILES
+from lora_runtime.adapters.sources.download import AdapterStore
 from server.registry.blobs import LocalBlobStore
 from server.registry.models import RegistryBase
 from server.registry.repos import SessionFactory

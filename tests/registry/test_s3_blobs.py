@@ -16,7 +16,7 @@ from server.registry.signing import UrlSigner
 from server.registry.source import PbaseResolver
 from server.registry.uploads import UploadConfig, UploadService
 from tests.fixtures.adapters import check_tiny_llama_adapter
-from tests.fixtures.s3_server import s3_server
+from benchmarks.loopback_s3 import s3_server
 from tests.registry.conftest import adapter_only, resolve_in
 
 

@@ -22,7 +22,7 @@ from server.registry.signing import UrlSigner
 from server.registry.sweeper import FINISHING_GRACE, sweep_uploads
 from server.registry.uploads import UploadConfig, UploadService, UploadStart
 from tests.fixtures.adapters import check_tiny_llama_adapter
-from tests.fixtures.s3_server import s3_server
+from benchmarks.loopback_s3 import s3_server
 from tests.registry.conftest import put_via_url
 
 _ORPHAN = "f" * 48  # an upload id with staged files and no record

@@ -73,7 +73,7 @@ def test_every_output_validates_greedy_and_sampled(hf_model, tokenizer, tokenize
 def test_schemas_we_cannot_enforce_are_refused(schema: str, tokenizer_info) -> None:
     with pytest.raises(ValidationError) as error:
         tokenizer_info.schema_compiler.compile(schema)
-    assert error.value.field == "schema" and error.value.status_code == 422
+    assert error.value.field == "schema" and error.value.error_type == "validation"
 
 
 def test_schema_accepted_as_object_and_as_response_format(tokenizer_info) -> None:
@@ -122,7 +122,7 @@ def test_every_regex_output_ending_with_eos_is_a_full_match(hf_model, tokenizer,
 def test_regexes_we_cannot_enforce_are_refused(regex: str, tokenizer_info) -> None:
     with pytest.raises(ValidationError) as error:
         tokenizer_info.schema_compiler.compile_regex(regex)
-    assert error.value.field == "regex" and error.value.status_code == 422
+    assert error.value.field == "regex" and error.value.error_type == "validation"
     with pytest.raises(ValidationError) as error:
         SamplingState(SamplingParams(regex=regex), [1, 2], tokenizer_info)
     assert error.value.field == "regex"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from lora_runtime.adapters.merge import MAX_MERGE_WEIGHT, MAX_MERGED_ADAPTERS
+from lora_runtime.adapters.merge_request import MAX_MERGE_WEIGHT, MAX_MERGED_ADAPTERS
 
 pytestmark = pytest.mark.xdist_group("test_merge_bounds")
 

@@ -151,7 +151,7 @@ def test_bad_adapter_fields_are_refused_naming_the_field(body: dict, field: str)
     ({"merged_adapters": {"ids": ["a/1", "b/2"]}}, "a/1,b/2", "merged"),
 ])
 def test_adapter_headers_name_the_adapter_and_its_source(body: dict, adapter_id: str, source: str) -> None:
-    headers = adapter_headers(GenerateParameters.model_validate(body))
+    headers = adapter_headers(_adapter(body))
     assert headers == {"x-adapter-id": adapter_id, "x-adapter-source": source}
 
 

@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from lora_runtime import Engine
-from lora_runtime.adapters.merge import MergedAdapters
+from lora_runtime.adapters.merge_request import MergedAdapters
 from lora_runtime.adapters.page_tensors import bytes_per_page
 from lora_runtime.adapters.refs import AdapterRequest, Caller, parse_adapter_ref
 from lora_runtime.config import AdapterConfig, KVCacheConfig

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.adapters import make_lora_adapter, read_file_bytes
-from tests.fixtures.hub_server import HubRepo, HubServer
-from tests.fixtures.s3_server import S3Server, s3_server
+from benchmarks.loopback_hub import HubRepo, HubServer
+from benchmarks.loopback_s3 import S3Server, s3_server
 
 HUB_READER_TOKEN = "hf_reader_token"
 

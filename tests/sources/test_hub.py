@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from lora_runtime.adapters.refs import Caller, parse_adapter_ref
-from lora_runtime.adapters.sources.download import ADAPTER_FILES, AdapterStore, DownloadLimits
+from lora_runtime.adapter_files import ADAPTER_FILES
+from lora_runtime.adapters.sources.download import AdapterStore, DownloadLimits
 from lora_runtime.adapters.sources.hub import HubConfig, HubSource
 from lora_runtime.errors import (
     AdapterAccessError,
@@ -18,7 +19,7 @@ from lora_runtime.errors import (
     AdapterUnavailableError,
     ValidationError,
 )
-from tests.fixtures.hub_server import HubServer
+from benchmarks.loopback_hub import HubServer
 from tests.sources.conftest import HUB_READER_TOKEN
 
 

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from lora_runtime.adapters.refs import Caller, parse_adapter_ref
-from lora_runtime.adapters.sources.download import ADAPTER_FILES, AdapterStore, DownloadLimits
+from lora_runtime.adapter_files import ADAPTER_FILES
+from lora_runtime.adapters.sources.download import AdapterStore, DownloadLimits
 from lora_runtime.adapters.sources.s3 import S3Config, S3Source
 from lora_runtime.errors import (
     AdapterAccessError,
@@ -16,7 +17,7 @@ from lora_runtime.errors import (
     AdapterUnavailableError,
     ValidationError,
 )
-from tests.fixtures.s3_server import S3Server
+from benchmarks.loopback_s3 import S3Server
 
 
 def _source(s3: S3Server, root: Path, limits: DownloadLimits = DownloadLimits()) -> S3Source:

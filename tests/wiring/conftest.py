@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from lora_runtime.adapters.sources.download import ADAPTER_FILES
+from lora_runtime.adapter_files import ADAPTER_FILES
 from tests.fixtures.adapters import make_lora_adapter, read_file_bytes
-from tests.fixtures.hub_server import HubRepo, HubServer
-from tests.fixtures.s3_server import S3Server, s3_server
+from benchmarks.loopback_hub import HubRepo, HubServer
+from benchmarks.loopback_s3 import S3Server, s3_server
 from tests.server.live import LiveServer, start_live_server
 
 GROUP = pytest.mark.xdist_group("wiring")

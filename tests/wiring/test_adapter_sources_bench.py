@@ -9,7 +9,7 @@ from peft import LoraConfig
 
 from benchmarks.adapter_sources import SOURCES, cold_load_latencies, weights_sha256
 from lora_runtime.adapters.peft_format import load_peft_adapter
-from lora_runtime.adapters.weights import AdapterLimits
+from lora_runtime.engine_info import AdapterLimits
 from tests.adapters.peft_factory import peft_model, save_adapter, tiny_llama, tiny_shape
 
 

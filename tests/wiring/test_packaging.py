@@ -93,12 +93,14 @@ def test_client_library_imports_without_torch():
     assert result.returncode == 0, result.stderr
 
 
-def test_client_uploads_the_files_the_registry_accepts():
-    """The client's restated list of adapter file names is the engine's."""
-    from lora_runtime.adapters.sources import download
-    from server import client
-
-    assert client.ADAPTER_FILES == download.ADAPTER_FILES
+def test_the_contract_and_the_client_load_no_torch() -> None:
+    """The runtime's contract (`lora_runtime.api`, `lora_runtime.adapter_files`) and the client
+    library import without loading torch (nor the engine, nor the kernels)."""
+    code = ("import sys, lora_runtime.api, lora_runtime.adapter_files, server.client; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'kernels')))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
 
 
 def test_the_installed_project_imports_from_any_directory(tmp_path) -> None:

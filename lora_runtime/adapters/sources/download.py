@@ -16,28 +16,13 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
+from lora_runtime.adapter_files import ADAPTER_CONFIG_FILE, ADAPTER_FILES, WEIGHT_FILES
 from lora_runtime.adapters.sources.ids import is_store_key_part
 from lora_runtime.errors import AdapterInvalidError
 
 logger = logging.getLogger(__name__)
 
-ADAPTER_CONFIG_FILE = "adapter_config.json"
-WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
-# Files an adapter may ship besides its config and weights: its tokenizer and chat template.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-    "chat_template.json",
-)
-ADAPTER_FILES = frozenset((ADAPTER_CONFIG_FILE, *WEIGHT_FILES, *TOKENIZER_FILES))
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,18 +118,3 @@ class AdapterStore:
             if not final.is_dir():
                 raise
             logger.debug("store key %s was published concurrently", final.name)
-
-
-_COPY_CHUNK_BYTES = 1 << 20
-
-
-def copy_bounded(source: BinaryIO, out: BinaryIO, max_bytes: int, too_large: Callable[[], Exception]) -> int:
-    """Copy `source` into `out` in chunks; raise `too_large()` as soon as more than `max_bytes`
-    arrive, so an oversized body is never read whole. Returns the bytes copied."""
-    copied = 0
-    while chunk := source.read(_COPY_CHUNK_BYTES):
-        copied += len(chunk)
-        if copied > max_bytes:
-            raise too_large()
-        out.write(chunk)
-    return copied

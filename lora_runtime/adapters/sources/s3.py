@@ -22,7 +22,8 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
 from lora_runtime.adapters.refs import AdapterRef, Caller
-from lora_runtime.adapters.sources.download import AdapterStore, RemoteFile, copy_bounded, select_adapter_files
+from lora_runtime.adapter_files import copy_bounded
+from lora_runtime.adapters.sources.download import AdapterStore, RemoteFile, select_adapter_files
 from lora_runtime.adapters.sources.ids import S3Id
 from lora_runtime.errors import (
     AdapterAccessError,

@@ -1,0 +1,149 @@
+"""Quantized base models against bf16, one thread, measured in the same run.
+
+    python -m benchmarks.quantized [--num-requests 1,32] [--new-tokens 32] [--repeats 3] [--kernels]
+
+The embedded model three ways: its Hugging Face directory in bf16 (the engine's default), its shipped
+GGUF (Q4_1 projections, a Q8_0 embedding) and that file re-quantized to Q8_0 (`requantize_gguf`: the
+gguf package quantizes Q8_0, Q4_0 and Q4_1 only), both served as they are
+(`EngineConfig(model="x.gguf")`). Each configuration runs `--repeats` times, interleaved, and its
+median run is kept; tokens per CPU-second and the ratio against bf16 are printed for each number of
+concurrent requests, the last line one JSON object.
+
+`--kernels`: the compiled matmul over quantized blocks (`kernels.linear.QuantizedLinear`, both of its
+paths, with and without VNNI) against the bf16 compiled matmul, on one projection shape at 1-64
+rows: the measurement behind `tuning.QUANTIZED_INT8_MAX_ROWS`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, dequantize, quantize
+
+from benchmarks.engine import NO_PREFIX_CACHE, make_prompts, median_of_interleaved, run_ours
+from kernels import cpu_ops, tuning
+from kernels.linear import QuantizedLinear, linear_packed, pack_linear_weight
+from kernels.quantized import BLOCK_TYPES, QuantizedTensor, QuantizedWeight
+from lora_runtime import Engine, EngineConfig
+from lora_runtime.embedded import default_cache_dir, ensure_embedded_model, gguf_path
+
+logger = logging.getLogger("benchmarks.quantized")
+_QUANTIZED = {GGMLQuantizationType[name] for name in BLOCK_TYPES}
+_HEADER_KEYS = ("GGUF.", "general.architecture")  # written by GGUFWriter itself
+
+
+def requantize_gguf(source: Path, destination: Path, type_name: str) -> Path:
+    """`source` with every quantized tensor dequantized and quantized again as `type_name` (its
+    metadata and other tensors as they are); kept once written."""
+    if destination.exists():
+        return destination
+    reader = GGUFReader(source)
+    architecture = reader.fields["general.architecture"].contents()
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    partial = destination.with_suffix(".partial")
+    writer = GGUFWriter(partial, architecture)
+    for field in reader.fields.values():
+        if not field.name.startswith(_HEADER_KEYS):
+            sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+            writer.add_key_value(field.name, field.contents(), field.types[0], sub_type)
+    target = GGMLQuantizationType[type_name]
+    for tensor in reader.tensors:
+        if tensor.tensor_type in _QUANTIZED:
+            values = dequantize(tensor.data, tensor.tensor_type)
+            writer.add_tensor(tensor.name, quantize(values, target), raw_dtype=target)
+        else:
+            writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    partial.rename(destination)
+    return destination
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-requests", default="1,32", help="comma-separated concurrent request counts")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--kernels", action="store_true", help="the matmul alone, at 1-64 rows")
+    return parser.parse_args(argv)
+
+
+def models() -> dict[str, EngineConfig]:
+    shipped = gguf_path()
+    q8_0 = requantize_gguf(shipped, default_cache_dir() / "bench-quantized" / "smollm2-135m-instruct.Q8_0.gguf", "Q8_0")
+    common = {"dtype": "bfloat16", "kv_cache": NO_PREFIX_CACHE, "num_threads": 1}
+    return {"bf16": EngineConfig(model=str(ensure_embedded_model()), **common),
+            "q4_1": EngineConfig(model=str(shipped), **common),
+            "q8_0": EngineConfig(model=str(q8_0), **common)}
+
+
+def run_engines(args: argparse.Namespace) -> dict:
+    engines = {name: Engine.from_config(config) for name, config in models().items()}
+    tokenizer = engines["bf16"].tokenizer
+    report = {}
+    for count in (int(c) for c in args.num_requests.split(",")):
+        prompts = make_prompts(tokenizer, count)
+        runs = {name: (lambda e=engine: run_ours(e, prompts, args.new_tokens)) for name, engine in engines.items()}
+        figures = median_of_interleaved(runs, args.repeats)
+        base = figures["bf16"]["tokens_per_cpu_s"]
+        for name, figure in figures.items():
+            figure["vs_bf16"] = figure["tokens_per_cpu_s"] / base
+            logger.info("%d requests, %s: %.1f tokens/CPU-s (%.2fx bf16; runs %s)", count, name,
+                        figure["tokens_per_cpu_s"], figure["vs_bf16"],
+                        ", ".join(f"{r:.1f}" for r in figure["all_tokens_per_cpu_s"]))
+        report[f"{count}_requests"] = figures
+    return report
+
+
+def _time_per_call(run, repeats: int = 20) -> float:
+    run()
+    start = time.process_time()
+    for _ in range(repeats):
+        run()
+    return (time.process_time() - start) / repeats
+
+
+def run_kernels(out_features: int = 1536, in_features: int = 1536) -> dict:
+    """µs per call of one projection: bf16 compiled matmul, and Q8_0 / Q4_K QuantizedLinear."""
+    dense = torch.randn(out_features, in_features) * 0.02
+    packed = pack_linear_weight(dense.bfloat16())
+    weights = {}
+    for name in ("Q8_0", "Q4_K"):
+        blocks = quantize(dense.numpy(), GGMLQuantizationType.Q8_0) if name == "Q8_0" else None
+        if blocks is None:  # gguf cannot quantize K-quants: random valid blocks of the same size
+            block = BLOCK_TYPES[name]
+            blocks = np.random.default_rng(0).integers(0, 16, (out_features, in_features // block.block_elements * block.block_bytes), dtype=np.uint8)
+        weights[name] = QuantizedLinear(QuantizedWeight.of([QuantizedTensor(BLOCK_TYPES[name], torch.from_numpy(blocks), in_features)]))
+    report = {}
+    for rows in (1, 4, 16, 32, 64):
+        x = torch.randn(rows, in_features).bfloat16()
+        figures = {"bf16": _time_per_call(lambda: linear_packed(x, packed))}
+        for name, weight in weights.items():
+            figures[name] = _time_per_call(lambda: weight(x))
+            with cpu_ops.without_vnni():
+                figures[f"{name}_no_vnni"] = _time_per_call(lambda: weight(x))
+        report[rows] = {name: seconds * 1e6 for name, seconds in figures.items()}
+        logger.info("%d rows: %s (µs per call; int8 path up to %d rows)", rows,
+                    ", ".join(f"{n} {us:.0f}" for n, us in report[rows].items()), tuning.QUANTIZED_INT8_MAX_ROWS)
+    return report
+
+
+def main(argv=None) -> dict:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    logger.info("compiled CPU ops: form %s, int8 dot products: %s", cpu_ops.active_form(), cpu_ops.ops().quantized_int8_dot())
+    report = run_kernels() if args.kernels else run_engines(args)
+    print(json.dumps(report, default=str))
+    return report
+
+
+if __name__ == "__main__":
+    main()

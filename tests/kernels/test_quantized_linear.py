@@ -1,0 +1,147 @@
+"""The compiled matmul over quantized blocks (kernels/csrc/quantized.cpp) in every form this CPU runs,
+with and without VNNI's int8 dot products, against its twin `kernels.reference.quantized_linear`
+within the error of quantizing x per 32 elements to int8; the compiled dequantization bit-exact
+against `kernels.reference.dequantize`; `QuantizedLinear` over mixed parts, both its paths; and the
+split over threads equal to one thread's result bit for bit."""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from kernels import cpu_build, cpu_ops, reference, tuning
+from kernels.linear import QuantizedLinear
+from kernels.quantized import BLOCK_TYPES, QuantizedTensor, QuantizedWeight
+from tests.kernels.quant_blocks import random_blocks
+
+pytestmark = pytest.mark.skipif(cpu_ops.ops() is None, reason="the compiled CPU ops are unavailable")
+
+TYPES = sorted(BLOCK_TYPES)
+K = 768  # three K-quant blocks, 24 blocks of 32
+ODD_COLUMNS = 7
+
+
+def _x(rows: int, k: int = K, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed))
+    x[0, 32:64] = 0.0  # a block of zeros: its scale is 0
+    x[-1, :32] *= 100.0  # a block of outliers
+    return x.to(dtype)
+
+
+def quantization_bound(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """|y - y_twin| bound [M, N]: x's element error at most amax(its block) / 254 (rounding to int8
+    steps of amax / 127), times |w| summed per block; plus float32 rounding of the sums."""
+    dense = torch.cat([reference.dequantize(part) for part in weight.parts])  # [N, K]
+    x32 = x.float()
+    step = x32.abs().unflatten(1, (-1, 32)).amax(-1) / 254.0  # [M, K / 32]
+    weight_sums = dense.abs().unflatten(1, (-1, 32)).sum(-1)  # [N, K / 32]
+    magnitude = x32.abs() @ dense.abs().T
+    return step @ weight_sums.T * 1.001 + 1e-5 * magnitude + 1e-6
+
+
+@contextlib.contextmanager
+def _path(form: str, vnni: bool):
+    if cpu_ops.unavailable_reason(form) is not None:
+        pytest.skip(cpu_ops.unavailable_reason(form))
+    with cpu_ops.using_form(form) as ops, (contextlib.nullcontext(ops) if vnni else cpu_ops.without_vnni()):
+        yield ops
+
+
+def _compiled(ops, x: torch.Tensor, tensor: QuantizedTensor) -> torch.Tensor:
+    out = torch.empty(x.shape[0], tensor.rows, dtype=x.dtype)
+    ops.quantized_linear(out, x, tensor.data, tensor.block_type.ggml_type)
+    return out
+
+
+@pytest.mark.parametrize("form", cpu_build.FORMS)
+@pytest.mark.parametrize("vnni", [True, False])
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_int8_matmul_within_the_quantization_bound(form: str, vnni: bool, type_name: str, rows: int) -> None:
+    tensor = random_blocks(type_name, ODD_COLUMNS, K, seed=rows)
+    x = _x(rows, seed=rows)
+    with _path(form, vnni) as ops:
+        ours = _compiled(ops, x, tensor)
+    weight = QuantizedWeight.of([tensor])
+    twin = reference.quantized_linear(x, weight)
+    error = (ours - twin).abs()
+    bound = quantization_bound(x, weight)
+    assert (error <= bound).all(), f"error {error.max():.3g} beyond the bound where {(error - bound).max():.3g}"
+    assert bound.max() < 0.02 * (x.abs() @ reference.dequantize(tensor).abs().T).max(), "the bound is a tight one"
+
+
+@pytest.mark.parametrize("form", cpu_build.FORMS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_activations_rounded_once(form: str, dtype: torch.dtype) -> None:
+    tensor = random_blocks("Q4_K", 33, K, seed=4)
+    x = _x(5, dtype=dtype, seed=4)
+    with _path(form, True) as ops:
+        ours = _compiled(ops, x, tensor)
+    assert ours.dtype == dtype
+    weight = QuantizedWeight.of([tensor])
+    twin = reference.quantized_linear(x.float(), weight)
+    rounding = twin.abs() * torch.finfo(dtype).eps
+    assert ((ours.float() - twin).abs() <= quantization_bound(x, weight) + rounding).all()
+
+
+@pytest.mark.parametrize("form", cpu_build.FORMS)
+def test_every_int8_path_names_itself(form: str) -> None:
+    with _path(form, True) as ops:
+        with_vnni = ops.quantized_int8_dot()
+        with cpu_ops.without_vnni():
+            without = ops.quantized_int8_dot()
+    assert without in ("widening", "portable")
+    assert with_vnni in ("avx512_vnni", "avx_vnni", without)
+
+
+@pytest.mark.parametrize("form", cpu_build.FORMS)
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_rows_as_the_reference(form: str, type_name: str, dtype: torch.dtype) -> None:
+    tensor = random_blocks(type_name, 5, K, seed=9)
+    out = torch.empty(tensor.rows, K, dtype=dtype)
+    with _path(form, True) as ops:
+        ops.dequantize_rows(out, tensor.data, tensor.block_type.ggml_type)
+    expected = reference.dequantize(tensor).to(dtype)
+    assert torch.equal(out.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       expected.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)), "not bit-exact"
+
+
+def test_two_threads_equal_one_bit_for_bit() -> None:
+    tensor = random_blocks("Q6_K", 301, K, seed=2)
+    x = _x(4, seed=2)
+    ops = cpu_ops.ops()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = _compiled(ops, x, tensor)
+        torch.set_num_threads(2)
+        parallel = _compiled(ops, x, tensor)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(serial, parallel)
+
+
+@pytest.mark.parametrize("rows", [2, tuning.QUANTIZED_INT8_MAX_ROWS + 7])
+def test_quantized_linear_over_mixed_parts_with_bias(rows: int) -> None:
+    parts = [random_blocks("Q4_K", 3, 512, seed=1), random_blocks("Q6_K", 5, 512, seed=2),
+             random_blocks("Q8_0", 1, 512, seed=3)]
+    weight = QuantizedWeight.of(parts)
+    bias = torch.randn(9, generator=torch.Generator().manual_seed(5))
+    x = _x(rows, k=512, seed=6)
+    ours = QuantizedLinear(weight, bias)(x)
+    twin = reference.quantized_linear(x, weight) + bias
+    if rows <= tuning.QUANTIZED_INT8_MAX_ROWS:
+        assert ((ours - twin).abs() <= quantization_bound(x, weight)).all()
+    else:  # widened: the float32 matmul of the same weights
+        torch.testing.assert_close(ours, twin, rtol=1e-5, atol=1e-4)
+
+
+def test_bad_blocks_refused() -> None:
+    ops = cpu_ops.ops()
+    tensor = random_blocks("Q8_0", 2, 64)
+    with pytest.raises(RuntimeError, match="row bytes"):
+        ops.quantized_linear(torch.empty(1, 2), torch.randn(1, 96), tensor.data, 8)
+    with pytest.raises(RuntimeError, match="GGML type"):
+        ops.quantized_linear(torch.empty(1, 2), torch.randn(1, 64), tensor.data, 1)

@@ -14,7 +14,7 @@ namespace cpu_ops {
 
 // Bumped whenever a struct below or the table changes: a form library built from other sources is
 // refused by the bindings instead of being called with the wrong layout.
-constexpr int32_t kAbiVersion = 10;
+constexpr int32_t kAbiVersion = 11;
 
 enum class DType : int32_t { f32 = 0, bf16 = 1, f16 = 2 };
 

@@ -30,6 +30,26 @@ CPU_KERNEL_CONSTANTS: dict[str, int] = {
     "lora_min_task_flops": 256 * 1024,
     "lora_min_rows_per_task": 8,
     "lora_min_columns_per_part": 64,
+    # LoRA op: a piece of a segment is cut into column parts only while it outweighs this share (in
+    # percent) of a thread's share of the call. Each part redoes the shrink of the slices it touches,
+    # so a cut costs work every thread pays for; below half a share the cost-balanced ranges even the
+    # tasks out without it. Chosen on workload W's decode step (8 adapters of ranks 8-64, all-linear,
+    # 8 tokens each): with the parts' extra work counted, half a share gave the best or equal busiest
+    # thread at 2, 4 and 16 threads (a quarter of a share kept cutting q/k/v at 2 threads).
+    "lora_column_split_share_percent": 50,
+    # Paged attention (kernels/csrc/task_plans.h): one task per (sequence, KV head), handed to the
+    # threads in ranges of about equal keys read; on 2+ threads a decode token whose keys outweigh
+    # 1 / attention_tasks_per_thread of a thread's share is split into chunks of its keys (partial
+    # maximum and sum per chunk, merged after: "split-K"), so that one long decode keeps every thread
+    # busy, none shorter than attention_min_keys_per_task keys (a chunk costs a slot of partial results
+    # and a merge; 256 keys of 3 heads of 64 are ~200k FLOPs, tens of microseconds against an OpenMP
+    # hand-over of a few). A task's fixed cost (its setup, its first block's miss) counts as
+    # attention_task_overhead_keys keys when the ranges are balanced. A batch of many short decodes
+    # is never split (every pair is under a thread's share); re-measure with
+    # `python -m benchmarks.threads --threads 1,2` and a long single decode.
+    "attention_tasks_per_thread": 4,
+    "attention_min_keys_per_task": 256,
+    "attention_task_overhead_keys": 16,
     # Matmul register tiles (kernels/csrc/gemm_tiles.h), of the projections and of the LoRA op's shrink
     # and expand: rows x blocks of 16 columns of float32 accumulators; the kernels instantiate 1-16
     # rows and 1-3 blocks. A block is one zmm (AVX-512) or two ymm (AVX2) per row. The tile is the

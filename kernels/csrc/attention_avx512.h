@@ -151,10 +151,12 @@ inline __m512 soft_cap(__m512 v, float softcap) {
 }
 
 // H query heads of one token (rows q[h], outputs out[h]) over keys [cache.first, cache.first + num_keys).
-// `scores` holds H * num_keys floats.
+// `scores` holds H * num_keys floats. `partial` not null (a chunk of a split decode token's keys):
+// head h's unnormalised sums, maximum score and sum of exponentials go to partial + h * (D + 2)
+// instead of out[h].
 template <typename T, int NV, int H>
 void attend_heads(const T* const* q, T* const* out, float scale, float softcap, const T* k_base, const T* v_base,
-                  const CacheView& cache, int64_t num_keys, float* scores) {
+                  const CacheView& cache, int64_t num_keys, float* scores, float* partial) {
   const QueryProducts<T, NV, H> queries(q);
   const __m512 scale_v = _mm512_set1_ps(scale);
   constexpr int64_t head_bytes = 16 * NV * static_cast<int64_t>(sizeof(T));
@@ -184,7 +186,7 @@ void attend_heads(const T* const* q, T* const* out, float scale, float softcap, 
                         if (pos % 16 == 15) sum_keys(pos - 15, 16);
                       });
   if (num_keys % 16) sum_keys(num_keys - num_keys % 16, static_cast<int>(num_keys % 16));
-  float inv_total[H];
+  float inv_total[H], max_of[H], total_of[H];
   for (int h = 0; h < H; ++h) {
     float* s = scores + h * num_keys;
     const float max_score = _mm512_reduce_max_ps(max_scores[h]);
@@ -195,6 +197,8 @@ void attend_heads(const T* const* q, T* const* out, float scale, float softcap, 
       total += s[j];
     }
     inv_total[h] = 1.f / total;
+    max_of[h] = max_score;
+    total_of[h] = total;
   }
   __m512 acc[H][NV];
   for (int h = 0; h < H; ++h)
@@ -210,6 +214,13 @@ void attend_heads(const T* const* q, T* const* out, float scale, float softcap, 
                         }
                       });
   for (int h = 0; h < H; ++h) {
+    if (partial != nullptr) {
+      float* slot = partial + h * (16 * NV + 2);
+      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(slot + 16 * v, acc[h][v]);
+      slot[16 * NV] = max_of[h];
+      slot[16 * NV + 1] = total_of[h];
+      continue;
+    }
     const __m512 inv = _mm512_set1_ps(inv_total[h]);
     for (int v = 0; v < NV; ++v) store16(out[h] + 16 * v, _mm512_mul_ps(acc[h][v], inv));
   }
@@ -220,19 +231,24 @@ void attend_heads(const T* const* q, T* const* out, float scale, float softcap, 
 template <typename T, int NV>
 void attend_group(const T* const* q, T* const* out, int64_t group, float scale, float softcap, const T* k_base,
                   const T* v_base,
-                  const CacheView& cache, int64_t num_keys, float* scores) {
+                  const CacheView& cache, int64_t num_keys, float* scores, float* partial) {
   constexpr int kMaxHeads = 16 / NV;
   for (int64_t h = 0; h < group; h += kMaxHeads) {
+    float* heads_partial = partial != nullptr ? partial + h * (16 * NV + 2) : nullptr;
     switch (std::min<int64_t>(kMaxHeads, group - h)) {
-      case 1: attend_heads<T, NV, 1>(q + h, out + h, scale, softcap, k_base, v_base, cache, num_keys, scores); break;
-      case 2: attend_heads<T, NV, 2>(q + h, out + h, scale, softcap, k_base, v_base, cache, num_keys, scores); break;
+      case 1:
+        attend_heads<T, NV, 1>(q + h, out + h, scale, softcap, k_base, v_base, cache, num_keys, scores, heads_partial);
+        break;
+      case 2:
+        attend_heads<T, NV, 2>(q + h, out + h, scale, softcap, k_base, v_base, cache, num_keys, scores, heads_partial);
+        break;
       case 3:
         if constexpr (kMaxHeads >= 3)
-          attend_heads<T, NV, 3>(q + h, out + h, scale, softcap, k_base, v_base, cache, num_keys, scores);
+          attend_heads<T, NV, 3>(q + h, out + h, scale, softcap, k_base, v_base, cache, num_keys, scores, heads_partial);
         break;
       default:
         if constexpr (kMaxHeads >= 4)
-          attend_heads<T, NV, 4>(q + h, out + h, scale, softcap, k_base, v_base, cache, num_keys, scores);
+          attend_heads<T, NV, 4>(q + h, out + h, scale, softcap, k_base, v_base, cache, num_keys, scores, heads_partial);
         break;
     }
   }

@@ -15,6 +15,7 @@
 
 #include "kernel_table.h"
 #include "lora_serve_tuning.h"
+#include "task_plans.h"
 
 #if defined(__x86_64__)
 #include <cpuid.h>
@@ -156,6 +157,17 @@ void run_tasks(Kernel kernel, const Args& args, int64_t num_tasks, int64_t grain
   at::parallel_for(0, num_tasks, grain, [&](int64_t begin, int64_t end) { kernel(args, begin, end); });
 }
 
+// Tasks whose costs differ: thread t runs tasks [starts[t], starts[t + 1]) (cpu_ops::balance_tasks).
+template <typename Args, typename Kernel>
+void run_balanced(Kernel kernel, const Args& args, const std::vector<int64_t>& starts) {
+  TORCH_CHECK(kernel != nullptr, "this form has no such kernel");
+  const int64_t num_threads = static_cast<int64_t>(starts.size()) - 1;
+  at::parallel_for(0, num_threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      if (starts[t] < starts[t + 1]) kernel(args, starts[t], starts[t + 1]);
+  });
+}
+
 // Rows a task of a per-row op whose rows hold `width` elements: enough elements that a task's work
 // outweighs handing it to a thread, so that a small batch stays on fewer threads.
 int64_t row_grain(int64_t width) {
@@ -215,6 +227,22 @@ void rotary_store_kv(torch::Tensor qkv, torch::Tensor positions, torch::Tensor c
   run_tasks(table().rotary_store_kv, args, qkv.size(0), row_grain(qkv.size(1)));
 }
 
+// The new tokens and keys of each sequence in `seqs` (indices into seq_lens and query_start).
+std::vector<cpu_ops::SequenceKeys> sequence_keys(const torch::Tensor& seqs, const torch::Tensor& seq_lens,
+                                                 const torch::Tensor& query_start, int64_t window) {
+  const int64_t* seq_of = seqs.data_ptr<int64_t>();
+  const int32_t *ctx_of = seq_lens.data_ptr<int32_t>(), *start_of = query_start.data_ptr<int32_t>();
+  std::vector<cpu_ops::SequenceKeys> sequences;
+  for (int64_t i = 0; i < seqs.numel(); ++i) {
+    const int64_t seq = seq_of[i];
+    TORCH_CHECK(seq >= 0 && seq < seq_lens.numel() && seq + 1 < query_start.numel(), "seqs[", i, "] names no sequence");
+    const int64_t ctx = ctx_of[seq], q_len = start_of[seq + 1] - start_of[seq];
+    TORCH_CHECK(q_len >= 0 && q_len <= ctx, "sequence ", seq, " has more new tokens than keys");
+    sequences.push_back({seq, start_of[seq], q_len, window > 0 ? std::max<int64_t>(0, ctx - q_len + 1 - window) : 0, ctx});
+  }
+  return sequences;
+}
+
 void paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                      torch::Tensor seq_lens, torch::Tensor query_start, torch::Tensor seqs, double scale,
                      torch::Tensor out, int64_t window, double softcap) {
@@ -231,13 +259,19 @@ void paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cac
                   seqs.is_contiguous(), "index tensors must be contiguous");
   const int64_t num_kv_heads = k_cache.size(2);
   TORCH_CHECK(q.size(1) % num_kv_heads == 0 && k_cache.size(3) == q.size(2), "heads or head_dim disagree");
+  const cpu_ops::AttentionPlan plan = cpu_ops::plan_attention(
+      sequence_keys(seqs, seq_lens, query_start, window), num_kv_heads, at::get_num_threads());
+  torch::Tensor partials;  // [slots, group, D + 2] float32, where a decode token's keys are split
+  if (plan.num_slots > 0) partials = torch::empty({plan.num_slots, q.size(1) / num_kv_heads, q.size(2) + 2}, q.options().dtype(at::kFloat));
   const cpu_ops::AttentionArgs args{dtype_of(q), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
                                     block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
-                                    query_start.data_ptr<int32_t>(), seqs.data_ptr<int64_t>(), q.size(1), num_kv_heads,
-                                    q.size(2), k_cache.size(1), block_tables.size(1), q.stride(0), q.stride(1),
-                                    out.stride(0), out.stride(1), static_cast<float>(scale),
+                                    query_start.data_ptr<int32_t>(), plan.tasks.data(),
+                                    plan.num_slots > 0 ? partials.data_ptr<float>() : nullptr, plan.splits.data(),
+                                    q.size(1), num_kv_heads, q.size(2), k_cache.size(1), block_tables.size(1),
+                                    q.stride(0), q.stride(1), out.stride(0), out.stride(1), static_cast<float>(scale),
                                     window, static_cast<float>(softcap)};
-  run_tasks(table().paged_attention, args, seqs.size(0) * num_kv_heads, 1);
+  run_balanced(table().paged_attention, args, plan.starts);
+  if (!plan.splits.empty()) run_tasks(table().attention_combine, args, static_cast<int64_t>(plan.splits.size() / 4), 1);
 }
 
 void max_logsumexp(torch::Tensor scores, torch::Tensor values, torch::Tensor indices, torch::Tensor log_normaliser) {
@@ -293,16 +327,30 @@ double part_cost(const std::vector<SliceCost>& costs, int64_t part, int64_t part
   return cost;
 }
 
-// The column parts of `rows` tokens: the fewest whose heaviest part costs at most `target`, else
-// the count (up to max_parts) whose heaviest part costs least.
-int64_t column_parts(const std::vector<SliceCost>& costs, double rows, double target, int64_t max_parts) {
+// The column parts of `rows` tokens: the count for which the heaviest part (counted as no lighter
+// than `bar`, kLoraColumnSplitSharePercent of a thread's share of the call: below it, the cost-balanced
+// ranges even out the tasks without more work) plus the work the split adds, spread over the threads,
+// is least. Each part shrinks again every slice it touches, and a wide input's shrink outweighs a
+// narrow output's expand: cutting only by the heaviest part had the output and down projections of
+// workload W's decode do 3-4x their one-thread FLOPs on two threads.
+int64_t column_parts(const std::vector<SliceCost>& costs, double rows, double bar, int64_t max_parts,
+                     int64_t num_threads) {
+  const double whole = rows * part_cost(costs, 0, 1);
   int64_t best = 1;
-  double best_cost = INFINITY;
-  for (int64_t parts = 1; parts <= max_parts; ++parts) {
-    double heaviest = 0;
-    for (int64_t part = 0; part < parts; ++part) heaviest = std::max(heaviest, rows * part_cost(costs, part, parts));
-    if (heaviest < best_cost) best = parts, best_cost = heaviest;
-    if (heaviest <= target) break;
+  double best_score = std::max(whole, bar);
+  for (int64_t parts = 2; parts <= max_parts; ++parts) {
+    double heaviest = 0, total = 0;
+    for (int64_t part = 0; part < parts; ++part) {
+      const double cost = rows * part_cost(costs, part, parts);
+      heaviest = std::max(heaviest, cost);
+      total += cost;
+    }
+    const double extra = (total - whole) / static_cast<double>(num_threads);
+    if (std::max(heaviest, bar) + extra < best_score) best = parts, best_score = std::max(heaviest, bar) + extra;
+    // More parts only add work once the heaviest is at the bar, or once the work they add alone
+    // outweighs the best score (it grows with the parts): the search stops there, as it runs
+    // serially before the op (a wide projection has dozens of candidate counts).
+    if (heaviest <= bar || bar + extra >= best_score) break;
   }
   return best;
 }
@@ -310,8 +358,8 @@ int64_t column_parts(const std::vector<SliceCost>& costs, double rows, double ta
 // Adds the tasks of one segment (start, length, entry) to `plan`, with their costs: its rows cut into
 // pieces and, where a piece (a few decode tokens on a rank-64 adapter) still outweighs `target`, its
 // columns into parts: a heavy segment is not one task.
-void add_segment_tasks(const int64_t* segment, const std::vector<SliceCost>& costs, double target, int64_t max_parts,
-                       LoraPlan& plan, std::vector<double>& task_costs) {
+void add_segment_tasks(const int64_t* segment, const std::vector<SliceCost>& costs, double target, double bar,
+                       int64_t max_parts, int64_t num_threads, LoraPlan& plan, std::vector<double>& task_costs) {
   const int64_t length = segment[1], quantum = cpu_ops::tuning::kLoraMinRowsPerTask;
   const int64_t quanta = std::max<int64_t>(1, (length + quantum - 1) / quantum);
   const double whole = static_cast<double>(length) * part_cost(costs, 0, 1);
@@ -319,7 +367,7 @@ void add_segment_tasks(const int64_t* segment, const std::vector<SliceCost>& cos
   for (int64_t piece = 0; piece < pieces; ++piece) {
     const int64_t first = std::min(length, quanta * piece / pieces * quantum);
     const double rows = static_cast<double>(std::min(length, quanta * (piece + 1) / pieces * quantum) - first);
-    const int64_t parts = rows * part_cost(costs, 0, 1) > target ? column_parts(costs, rows, target, max_parts) : 1;
+    const int64_t parts = rows * part_cost(costs, 0, 1) > bar ? column_parts(costs, rows, bar, max_parts, num_threads) : 1;
     for (int64_t part = 0; part < parts; ++part) {
       plan.tasks.insert(plan.tasks.end(), {segment[0] + first, static_cast<int64_t>(rows), segment[2], part, parts});
       task_costs.push_back(rows * part_cost(costs, part, parts));
@@ -328,8 +376,8 @@ void add_segment_tasks(const int64_t* segment, const std::vector<SliceCost>& cos
 }
 
 // The tasks of `n` segments [n][3] and their split over PyTorch's threads: tasks of about
-// 1 / kLoraTasksPerThread of a thread's share (never below kLoraMinTaskFlops), handed out in order,
-// each thread a contiguous range of about equal FLOPs. On one thread: the segments as they are.
+// 1 / kLoraTasksPerThread of a thread's share (never below kLoraMinTaskFlops), regrouped into one
+// range a thread of about equal FLOPs (cpu_ops::balance_tasks). On one thread: the segments as they are.
 LoraPlan plan_lora(const int64_t* segments, int64_t n, const std::vector<cpu_ops::LoraSlice>& slices, int64_t hidden_in) {
   const int64_t num_threads = at::get_num_threads();
   std::vector<std::vector<SliceCost>> cost_of(n);
@@ -344,21 +392,13 @@ LoraPlan plan_lora(const int64_t* segments, int64_t n, const std::vector<cpu_ops
                         : std::max(total / static_cast<double>(num_threads * cpu_ops::tuning::kLoraTasksPerThread),
                                    static_cast<double>(cpu_ops::tuning::kLoraMinTaskFlops));
   const int64_t max_parts = std::max<int64_t>(1, columns / cpu_ops::tuning::kLoraMinColumnsPerPart);
+  const double bar = num_threads == 1 ? INFINITY
+                                    : total / static_cast<double>(num_threads) *
+                                          static_cast<double>(cpu_ops::tuning::kLoraColumnSplitSharePercent) / 100;
   LoraPlan plan;
   std::vector<double> costs;
-  for (int64_t s = 0; s < n; ++s) add_segment_tasks(segments + 3 * s, cost_of[s], target, max_parts, plan, costs);
-  double planned = 0;
-  for (double cost : costs) planned += cost;
-  plan.starts.assign(num_threads + 1, static_cast<int64_t>(costs.size()));
-  plan.starts[0] = 0;
-  double before = 0;  // task i goes to the thread whose share holds the middle of its cost
-  int64_t thread = 0;
-  for (size_t i = 0; i < costs.size(); ++i) {
-    const double middle = before + costs[i] / 2;
-    const int64_t owner = planned > 0 ? std::min<int64_t>(num_threads - 1, static_cast<int64_t>(middle / planned * num_threads)) : 0;
-    while (thread < owner) plan.starts[++thread] = static_cast<int64_t>(i);
-    before += costs[i];
-  }
+  for (int64_t s = 0; s < n; ++s) add_segment_tasks(segments + 3 * s, cost_of[s], target, bar, max_parts, num_threads, plan, costs);
+  plan.starts = cpu_ops::balance_tasks(plan.tasks, 5, costs, num_threads);
   return plan;
 }
 
@@ -419,11 +459,7 @@ void lora_segments(torch::Tensor y, torch::Tensor x, torch::Tensor segments, std
   const LoraPlan plan = plan_lora(segments.data_ptr<int64_t>(), segments.size(0), slices, hidden_in);
   const cpu_ops::LoraArgs args{dtype_of(x), weight_dtype, x.data_ptr(), y.data_ptr(), plan.tasks.data(),
                                slices.data(), static_cast<int64_t>(num_slices), hidden_in, y.size(1)};
-  const int64_t num_threads = static_cast<int64_t>(plan.starts.size()) - 1;
-  at::parallel_for(0, num_threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      if (plan.starts[t] < plan.starts[t + 1]) table().lora_segments(args, plan.starts[t], plan.starts[t + 1]);
-  });
+  run_balanced(table().lora_segments, args, plan.starts);
 }
 
 void check_linear(const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& packed, at::ScalarType dtype) {

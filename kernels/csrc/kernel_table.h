@@ -14,7 +14,7 @@ namespace cpu_ops {
 
 // Bumped whenever a struct below or the table changes: a form library built from other sources is
 // refused by the bindings instead of being called with the wrong layout.
-constexpr int32_t kAbiVersion = 10;
+constexpr int32_t kAbiVersion = 11;
 
 enum class DType : int32_t { f32 = 0, bf16 = 1, f16 = 2 };
 
@@ -54,8 +54,13 @@ struct RotaryArgs {
   int64_t num_heads, num_kv_heads, head_dim, block_size;
 };
 
-// Tasks [begin, end), task = sequence index into `seqs` * num_kv_heads + KV head: causal attention of
-// the sequence's new tokens over its paged context, every query head of that KV head.
+// Tasks [begin, end) of `tasks` [n, 5] (sequence, KV head, key_begin, key_end, partial): causal
+// attention of the sequence's new tokens over its paged context, every query head of that KV head,
+// reading only the keys at positions [key_begin, key_end) (a window narrows them further). partial < 0:
+// the task holds all of its tokens' keys, and writes the normalised output. partial >= 0 (a decode
+// token's keys split in chunks, one task each): the chunk's unnormalised output, its scores' maximum
+// and their sum of exponentials (relative to that maximum) go to slot `partial` of `partials`
+// ([slots, group, D + 2]: D sums, the maximum, the sum), and `attention_combine` merges the chunks.
 struct AttentionArgs {
   DType dtype;
   const void* q;  // [T, H, D], unit stride on D
@@ -65,7 +70,9 @@ struct AttentionArgs {
   const int32_t* block_tables;  // [B, max_blocks]
   const int32_t* seq_lens;  // [B], new tokens included
   const int32_t* query_start;  // [B + 1]
-  const int64_t* seqs;  // the sequences to attend
+  const int64_t* tasks;  // [n, 5], as above
+  float* partials;  // [slots, group, D + 2]; null when no task is split
+  const int64_t* splits;  // [m, 4] (token, KV head, first slot, chunks): the split decode tokens
   int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks;
   int64_t q_row_stride, q_head_stride, out_row_stride, out_head_stride;
   float scale;
@@ -176,6 +183,9 @@ struct KernelTable {
   void (*silu_and_mul)(const SiluArgs&, int64_t begin, int64_t end);
   void (*rotary_store_kv)(const RotaryArgs&, int64_t begin, int64_t end);
   void (*paged_attention)(const AttentionArgs&, int64_t begin, int64_t end);
+  // Splits [begin, end) of `splits`: each query head's output from its chunks' partial results
+  // (out = sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c, chunks in key order).
+  void (*attention_combine)(const AttentionArgs&, int64_t begin, int64_t end);
   void (*max_logsumexp)(const MaxLogSumExpArgs&, int64_t begin, int64_t end);
   void (*lora_segments)(const LoraArgs&, int64_t begin, int64_t end);
   // Null where the form has no such matmul. Tasks: `*_groups(args)` column groups of each kernel's

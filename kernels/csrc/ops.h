@@ -19,6 +19,7 @@ void rms_norm(const NormArgs& args, int64_t begin, int64_t end);
 void silu_and_mul(const SiluArgs& args, int64_t begin, int64_t end);
 void rotary_store_kv(const RotaryArgs& args, int64_t begin, int64_t end);
 void paged_attention(const AttentionArgs& args, int64_t begin, int64_t end);
+void attention_combine(const AttentionArgs& args, int64_t begin, int64_t end);
 void max_logsumexp(const MaxLogSumExpArgs& args, int64_t begin, int64_t end);
 void lora_segments(const LoraArgs& args, int64_t begin, int64_t end);
 

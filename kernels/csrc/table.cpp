@@ -22,6 +22,7 @@ cpu_ops::KernelTable make_table() {
   table.silu_and_mul = &cpu_ops::silu_and_mul;
   table.rotary_store_kv = &cpu_ops::rotary_store_kv;
   table.paged_attention = &cpu_ops::paged_attention;
+  table.attention_combine = &cpu_ops::attention_combine;
   table.max_logsumexp = &cpu_ops::max_logsumexp;
   table.lora_segments = &cpu_ops::lora_segments;
 #if defined(__AVX2__) && defined(__FMA__)

@@ -40,6 +40,19 @@ def scattered_paged_batch(
     return q, k_cache, v_cache, StepSequences(query_start, list(seq_lens), tables, block_size)
 
 
+def reuse_blocks_before_window(step: StepSequences, window: int | None, num_blocks: int,
+                   generator: torch.Generator) -> StepSequences:
+    """`step` with each table's blocks before its first visible key replaced by random block ids."""
+    if window is None:
+        return step
+    tables = []
+    for table, q_len, seq_len in zip(step.block_tables, step.query_lens, step.seq_lens):
+        first_key = max(0, seq_len - q_len + 1 - window)
+        outside = first_key // step.block_size
+        tables.append(torch.randint(0, num_blocks, (outside,), generator=generator).tolist() + table[outside:])
+    return StepSequences(step.query_start, step.seq_lens, tables, step.block_size)
+
+
 def dense_causal_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
 ) -> torch.Tensor:

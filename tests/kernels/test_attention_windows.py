@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import StepSequences, reference
+from kernels import reference
 from kernels.attention.plans import TritonAttentionPlan
 from kernels.attention.triton_ops import paged_attention_triton
-from tests.kernels.factories import scattered_paged_batch
+from tests.kernels.factories import reuse_blocks_before_window, scattered_paged_batch
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 # (q_lens, seq_lens): decodes, a whole prefill, chunked prefills, mixed, all longer than the windows.
@@ -22,23 +22,10 @@ BATCHES = [
 ]
 
 
-def _reused_blocks(step: StepSequences, window: int | None, num_blocks: int,
-                   generator: torch.Generator) -> StepSequences:
-    """`step` with each table's blocks before its first visible key replaced by random block ids."""
-    if window is None:
-        return step
-    tables = []
-    for table, q_len, seq_len in zip(step.block_tables, step.query_lens, step.seq_lens):
-        first_key = max(0, seq_len - q_len + 1 - window)
-        outside = first_key // step.block_size
-        tables.append(torch.randint(0, num_blocks, (outside,), generator=generator).tolist() + table[outside:])
-    return StepSequences(step.query_start, step.seq_lens, tables, step.block_size)
-
-
 def _check(backend, dtype, q_lens, seq_lens, head_dim, window, softcap) -> None:
     gen = torch.Generator().manual_seed(sum(seq_lens) + head_dim)
     q, k_cache, v_cache, step = scattered_paged_batch(q_lens, seq_lens, 4, 2, head_dim, 16, dtype, gen)
-    reused = _reused_blocks(step, window, k_cache.shape[0], gen)  # scores of about +-2 and more: a cap of 2 bites
+    reused = reuse_blocks_before_window(step, window, k_cache.shape[0], gen)  # scores of about +-2 and more: a cap of 2 bites
     out = backend.paged_attention(q, k_cache, v_cache, backend.plan_attention(reused), 0.3, window=window,
                                   softcap=softcap)
     expected = reference.paged_attention(q, k_cache, v_cache, step, 0.3, window=window, softcap=softcap)
@@ -65,7 +52,7 @@ def test_triton_split_decode_with_splits_wholly_before_the_window() -> None:
     key, and the merge gives them no weight)."""
     gen = torch.Generator().manual_seed(5)
     q, k_cache, v_cache, step = scattered_paged_batch([1, 1], [7, 61], 4, 2, 16, 8, torch.float32, gen)
-    reused = _reused_blocks(step, 6, k_cache.shape[0], gen)
+    reused = reuse_blocks_before_window(step, 6, k_cache.shape[0], gen)
     out = paged_attention_triton(q, k_cache, v_cache, TritonAttentionPlan.build(reused, q.device), 0.3, window=6,
                                  softcap=2.0, num_splits=4)
     expected = reference.paged_attention(q, k_cache, v_cache, step, 0.3, window=6, softcap=2.0)

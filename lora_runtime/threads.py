@@ -13,7 +13,6 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-import torch
 
 _CPU_TOPOLOGY = Path("/sys/devices/system/cpu")
 
@@ -57,5 +56,7 @@ def use_threads(num_threads: int | None) -> tuple[int, str]:
     """Set PyTorch's pool (ours too) to `num_threads`, or to the default where None; returns the count
     and where it came from."""
     count, source = (num_threads, "configured") if num_threads is not None else default_num_threads()
+    import torch  # here, not above: the service reads the topology helpers without loading torch
+
     torch.set_num_threads(count)
     return count, source

@@ -58,9 +58,11 @@ class Cluster:
         response.raise_for_status()
         return response.json()["replicas"]
 
-    def wait_for_replicas(self, count: int, timeout_s: float = 180) -> list[dict]:
+    def wait_for_replicas(self, count: int, timeout_s: float = 180, gone: str | None = None) -> list[dict]:
+        """Until `count` replicas report, none of them `gone` (a killed replica's last report stays
+        listed a while, so counting alone can pass before its replacement serves)."""
         deadline = time.monotonic() + timeout_s
-        while len(replicas := self.replicas()) != count:
+        while len(replicas := [r for r in self.replicas() if r["replica_id"] != gone]) != count:
             assert time.monotonic() < deadline, f"{len(replicas)} replicas reporting, not {count}"
             time.sleep(0.5)
         return replicas

@@ -217,4 +217,4 @@ def test_a_killed_replica_fails_its_requests_with_503_and_the_other_serves(clust
     survivor = cluster.generate({"adapter_id": adapter})
     assert _replica(survivor) != doomed
     assert httpx.get(f"{cluster.base_url}/health", timeout=30).status_code == 200
-    cluster.wait_for_replicas(2)  # Serve has replaced it, for the tests that run after this one
+    cluster.wait_for_replicas(2, gone=doomed)  # Serve has replaced it, for the tests that run after this one

@@ -71,7 +71,8 @@ class Engine:
         self.adapters = AdapterManager(config.adapters, base_shape, model.backend, model.dtype, adapter_sources)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.adapters.pages, self._kv_identity)
         self.runner = ModelRunner(model, self.kv_cache, num_blocks, config.device, self.adapters)
-        self.sampler = Sampler()
+        self.step_times = StepTimes()
+        self.sampler = Sampler(self.step_times)
         self.tokenizer_info = TokenizerInfo(tokenizer, model.shape.vocab_size, _eos_token_ids(tokenizer, model_name))
         self._states: dict[str, RequestState] = {}
         self._group_of: dict[str, BestOfGroup] = {}  # candidate request id -> its best_of group
@@ -79,7 +80,6 @@ class Engine:
         self._request_counter = itertools.count()
         self._wakeup = threading.Event()  # set when an adapter load settles or `wake()` is called
         self.num_threads = torch.get_num_threads()  # the compute threads (Engine.from_config sets them)
-        self.step_times = StepTimes()
 
     @classmethod
     def from_config(cls, config: EngineConfig | None = None, adapter_sources: dict[str, AdapterSource] | None = None) -> Engine:

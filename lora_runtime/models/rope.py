@@ -77,6 +77,8 @@ def rotary_embedding(config, head_dim: int, layer_type: str | None, max_position
         rotary_dim = int(head_dim * partial_rotary_factor(config, layer_type))
         exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim
         return RotaryEmbedding(1.0 / (theta**exponents), max_positions, 1.0, dtype, device)
+    # HF's dynamic NTK keeps its initial frequencies up to max_position_embeddings only.
+    assert rope_type != "dynamic" or max_positions <= config.max_position_embeddings, "dynamic NTK past its length"
     inv_freq, scaling = _initialise(config, rope_type, layer_type)
     long_factors = None
     if rope_type == "longrope":

@@ -34,13 +34,14 @@ ORIGINAL = 32  # the pretraining length of the LongRoPE configs: prompts and gen
 LLAMA_ORIGINAL = 16
 
 
-def phi3_longrope() -> Phi3Config:
-    """Phi-3-mini-128k's / Phi-4-mini's RoPE on a tiny model: 16-wide heads, 12 dims rotated."""
+def phi3_longrope(scaled: bool = True) -> Phi3Config:
+    """Phi-3-mini-128k's / Phi-4-mini's RoPE on a tiny model: 16-wide heads, 12 dims rotated (without
+    `scaled`: the plain RoPE over those 12)."""
+    scaling = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+               "long_factor": [1.5, 2.0, 3.0, 5.0, 8.0, 12.0]}
     return Phi3Config(**{**TINY_DIMS, "max_position_embeddings": 128}, partial_rotary_factor=0.75,
                       original_max_position_embeddings=ORIGINAL, tie_word_embeddings=False, pad_token_id=0,
-                      bos_token_id=1, eos_token_id=2,
-                      rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
-                                    "long_factor": [1.5, 2.0, 3.0, 5.0, 8.0, 12.0]})
+                      bos_token_id=1, eos_token_id=2, rope_scaling=scaling if scaled else None)
 
 
 LLAMA_ROPE = {
@@ -78,19 +79,21 @@ def hf_greedy(model, prompt: list[int], num_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def _serve(model_dir, backend: str, prompts: list[list[int]], num_new_tokens: int):
-    """Our greedy generation of every prompt together, in chunks of at most 16 tokens a step; returns
-    the requests and our logits row at each position of each (prompt rows and sampled rows)."""
+def _serve(model_dir, backend: str, prompts: list[list[int]], num_new_tokens: int, num_blocks: int = 64):
+    """Our greedy generation of every prompt together, in chunks of at most 16 tokens a step, over
+    `num_blocks` blocks of 4 tokens; returns the requests, our logits row at each position of each
+    (prompt rows and sampled rows; the last computed where a preemption recomputed one), and the
+    scheduler."""
     model = load_model(model_dir, "float32", "cpu", kernels.backend_for("cpu", backend))
-    kv = KVCacheManager(num_blocks=64, block_size_tokens=4)
+    kv = KVCacheManager(num_blocks=num_blocks, block_size_tokens=4)
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=16), kv)
-    runner = ModelRunner(model, kv, 64, "cpu")
-    params = SamplingParams(max_new_tokens=num_new_tokens + 4, decoder_input_details=True)
+    runner = ModelRunner(model, kv, num_blocks, "cpu")
+    params = SamplingParams(max_new_tokens=num_new_tokens, decoder_input_details=True)
     requests = [Request(f"r{i}", prompt, params) for i, prompt in enumerate(prompts)]
     for request in requests:
         scheduler.add_request(request)
     rows: dict[str, dict[int, torch.Tensor]] = {r.request_id: {} for r in requests}
-    while min(len(r.output_token_ids) for r in requests) < num_new_tokens:
+    while scheduler.num_unfinished:
         output = scheduler.schedule()
         result = runner.execute(output)
         scheduler.update_after_step(output)
@@ -100,7 +103,9 @@ def _serve(model_dir, backend: str, prompts: list[list[int]], num_new_tokens: in
         for request, row in zip(result.rows.sample_requests, result.rows.sample_rows):
             rows[request.request_id][request.num_tokens - 1] = result.logits[row]
             request.output_token_ids.append(int(result.logits[row].argmax()))
-    return requests, rows
+            if len(request.output_token_ids) == num_new_tokens:
+                scheduler.finish(request)
+    return requests, rows, scheduler
 
 
 def _assert_matches_hf_generation(hf_model, requests, rows, num_new_tokens: int) -> None:
@@ -125,7 +130,7 @@ def test_phi3_longrope_with_partial_rotary_matches_hf_generation(tmp_path, backe
     generations crossing 32, switching to the long factors there as HF does) and 5 (short throughout),
     in one batch."""
     hf_model = save_random_model(phi3_longrope(), tmp_path)
-    requests, rows = _serve(tmp_path, backend, _prompts((40, 20, 31, 5), seed=4), num_new_tokens=14)
+    requests, rows, _ = _serve(tmp_path, backend, _prompts((40, 20, 31, 5), seed=4), num_new_tokens=14)
     _assert_matches_hf_generation(hf_model, requests, rows, 14)
     crossing = requests[1]
     assert crossing.num_tokens - 1 > ORIGINAL
@@ -141,8 +146,26 @@ def test_each_scaled_rope_variant_matches_hf_generation(tmp_path, rope_type: str
     """Llama with each scaled variant (pretraining length 16 where the variant has one): prompts of 24
     and 9, 10 tokens generated (the second crossing 16), in one batch."""
     hf_model = save_random_model(llama_with_rope(rope_type), tmp_path)
-    requests, rows = _serve(tmp_path, backend, _prompts((24, 9), seed=6), num_new_tokens=10)
+    requests, rows, _ = _serve(tmp_path, backend, _prompts((24, 9), seed=6), num_new_tokens=10)
     _assert_matches_hf_generation(hf_model, requests, rows, 10)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_phi3_partial_rotary_without_scaling_matches_hf_generation(tmp_path, backend: str) -> None:
+    hf_model = save_random_model(phi3_longrope(scaled=False), tmp_path)
+    requests, rows, _ = _serve(tmp_path, backend, _prompts((19, 6), seed=5), num_new_tokens=8)
+    _assert_matches_hf_generation(hf_model, requests, rows, 8)
+
+
+def test_longrope_requests_recomputed_after_preemption_keep_hf_generations_rotations(tmp_path) -> None:
+    """Too few blocks for both: the 22-token prompt's request is preempted with 13 tokens generated
+    (positions 32 and 33 rotated with the long set, the rest short), and recomputed, prompt and
+    generated tokens together; each position takes the set it had when first run."""
+    hf_model = save_random_model(phi3_longrope(), tmp_path)
+    requests, rows, scheduler = _serve(tmp_path, "torch", _prompts((26, 22), seed=7), num_new_tokens=16,
+                                       num_blocks=19)
+    assert scheduler.num_preemptions > 0
+    _assert_matches_hf_generation(hf_model, requests, rows, 16)
 
 
 def _engine_with_tokenizer(model_dir, hf_config):

@@ -42,30 +42,49 @@ def llama_cpp_root() -> Path:
     return default_cache_dir() / "peers" / f"llama.cpp-{LLAMA_CPP_PYTHON_VERSION}"
 
 
+def tool_binary(root: Path, target: str) -> Path:
+    return root / "build" / "bin" / target
+
+
 def server_binary(root: Path) -> Path:
-    return root / "build" / "bin" / "llama-server"
+    return tool_binary(root, "llama-server")
 
 
 def is_built(binary: Path) -> bool:
-    """A binary counts only if it runs: an interrupted link can leave a partial file behind."""
+    """A binary counts only if it runs: an interrupted link can leave a partial file behind. `--help`
+    is a question every tool answers (llama-quantize with exit status 1, after its usage text); a
+    partial file fails to execute or dies of a signal instead."""
     if not binary.is_file():
         return False
-    return subprocess.run([str(binary), "--version"], check=False, capture_output=True, timeout=60).returncode == 0
+    try:
+        probe = subprocess.run([str(binary), "--help"], check=False, capture_output=True, timeout=60)
+    except OSError:
+        return False
+    return probe.returncode in (0, 1) and bool(probe.stdout)
 
 
 def ensure_server(root: Path) -> Path:
-    """The cached `llama-server`, fetched and built first where missing. cmake resumes an interrupted
-    build in place, so a partial build directory is reused rather than deleted."""
-    binary = server_binary(root)
+    return ensure_tool(root, "llama-server")
+
+
+def ensure_quantize(root: Path) -> Path:
+    return ensure_tool(root, "llama-quantize")
+
+
+def ensure_tool(root: Path, target: str) -> Path:
+    """The cached binary of the vendored source's cmake `target`, fetched and built first where
+    missing. cmake resumes an interrupted build in place, so a partial build directory is reused
+    rather than deleted, and the tools share the libraries already built for another."""
+    binary = tool_binary(root, target)
     if is_built(binary):
         return binary
     source = ensure_source(root)
-    logger.info("building llama-server in %s (7-17 minutes on one core; log: build.log)", root)
+    logger.info("building %s in %s (7-17 minutes on one core; log: build.log)", target, root)
     cores = str(os.cpu_count() or 1)
     _run_logged(["cmake", "-S", str(source), "-B", str(root / "build"), *CMAKE_OPTIONS], root / "build.log")
-    _run_logged(["cmake", "--build", str(root / "build"), "--target", "llama-server", "-j", cores], root / "build.log")
+    _run_logged(["cmake", "--build", str(root / "build"), "--target", target, "-j", cores], root / "build.log")
     if not is_built(binary):
-        raise RuntimeError(f"built llama-server does not run --version: {binary}")
+        raise RuntimeError(f"built {target} does not run --help: {binary}")
     return binary
 
 

@@ -135,6 +135,34 @@ def convert_model(root: Path, model_dir: Path, outtype: str) -> Path:
     return target
 
 
+# GGUF types the converter writes itself; every other type is quantized from its bf16 file.
+CONVERTER_TYPES = ("f32", "f16", "bf16")
+
+
+def model_file(root: Path, model_dir: Path, outtype: str) -> Path:
+    """`model_dir` as a GGUF file of `outtype`: a converter type (f32, f16, bf16), or any type the
+    vendored `llama-quantize` names (q8_0, q4_k_m, ...), quantized from the bf16 file once."""
+    if outtype in CONVERTER_TYPES:
+        return convert_model(root, model_dir, outtype)
+    return quantize_model(root, convert_model(root, model_dir, "bf16"), outtype)
+
+
+def quantize_model(root: Path, source: Path, outtype: str) -> Path:
+    """`source` quantized to `outtype` by the vendored `llama-quantize` (its default mixture of tensor
+    types for a K-quant "_M" type), once, written under a temporary name renamed into place."""
+    target = source.with_name(f"{source.stem.removesuffix('-bf16')}-{outtype}.gguf")
+    if not target.is_file():
+        binary = ensure_quantize(root)
+        partial = target.with_name(f"{target.stem}.partial-{os.getpid()}.gguf")
+        command = [str(binary), str(source), str(partial), outtype.upper(), str(os.cpu_count() or 1)]
+        completed = subprocess.run(command, check=False, capture_output=True)
+        if completed.returncode != 0:
+            partial.unlink(missing_ok=True)
+            raise RuntimeError(f"llama-quantize failed ({completed.returncode}):\n{_tail(completed.stdout + completed.stderr)}")
+        os.replace(partial, target)
+    return target
+
+
 def convert_adapter(root: Path, adapter_dir: Path, model_dir: Path, outtype: str) -> Path:
     """The PEFT adapter at `adapter_dir` as a GGUF LoRA of `outtype`, converted once."""
     target = _gguf_path(adapter_dir, outtype)

@@ -69,7 +69,8 @@ class Engine:
                                        config.kv_cache.enable_prefix_caching, model.features.max_window)
         base_shape = BaseModelShape(model_name, model.shape.num_layers, model.shape.module_dims())
         self.adapters = AdapterManager(config.adapters, base_shape, model.backend, model.dtype, adapter_sources)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.adapters.pages, self._kv_identity)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.adapters.pages, self._kv_identity,
+                                   model.recompute_length)
         self.runner = ModelRunner(model, self.kv_cache, num_blocks, config.device, self.adapters)
         self.step_times = StepTimes()
         self.sampler = Sampler(self.step_times)
@@ -195,7 +196,7 @@ class Engine:
         load_serial = lease.load.result().load_serial if lease is not None else None
         return kv_identity(request.adapter_key, load_serial, request.cache_scope,
                            self.config.kv_cache.share_base_prefix_cache,
-                           self.model.rope_variant(request.num_prompt_tokens))
+                           self.model.rope_variant(request.num_tokens))
 
     def _chat_template(self, params: SamplingParams, lease: Lease | None) -> str | None:
         """The adapter's own chat template for apply_chat_template: this waits for the adapter to

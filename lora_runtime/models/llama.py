@@ -21,7 +21,7 @@ from kernels.reference import split_qkv
 from lora_runtime.forward_batch import ForwardBatch
 from lora_runtime.layers.rotary import RotaryEmbedding
 from lora_runtime.models.architectures import ModelFeatures, ModelShape
-from lora_runtime.models.rope import rope_variant
+from lora_runtime.models.rope import recompute_length, rope_variant
 
 
 @dataclass(slots=True)
@@ -81,9 +81,15 @@ class LlamaModel:
     def dtype(self) -> torch.dtype:
         return self.weights.embed_tokens.dtype
 
-    def rope_variant(self, num_prompt_tokens: int) -> str | None:
-        """What a request's cached keys depend on beyond its tokens and adapter (`models.rope`)."""
-        return rope_variant(self.rotary, num_prompt_tokens)
+    def rope_variant(self, num_tokens: int) -> str | None:
+        """What the cached keys of a request of `num_tokens` tokens depend on beyond its tokens and
+        adapter (`models.rope`)."""
+        return rope_variant(self.rotary, num_tokens)
+
+    @property
+    def recompute_length(self) -> int | None:
+        """A request growing past this many tokens recomputes its whole cache (`models.rope`)."""
+        return recompute_length(self.rotary)
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCacheTensors) -> torch.Tensor:
         """Run one step; returns logits `[num_logit_rows, vocab]` for `batch.logits_indices`, in the
@@ -98,7 +104,7 @@ class LlamaModel:
         if self.features.embedding_scale != 1.0:
             residual = residual * self.embedding_scale
         x = self._norm(residual, layers[0].attention_in_norm) if layers[0].attention_in_norm is not None else residual
-        rotary_rows = {key: rotary.rows(batch.positions, batch.prompt_lens) for key, rotary in self.rotary.items()}
+        rotary_rows = {key: rotary.rows(batch.positions, batch.request_lens) for key, rotary in self.rotary.items()}
         for layer_idx, layer in enumerate(layers):
             attended = self._attention(layer_idx, layer, x, batch, kv_cache, rotary_rows)
             attended = self._sublayer_out(attended, layer.attention_out_norm)

@@ -46,3 +46,15 @@ def test_token_texts_are_the_tokenizers_own_decode_of_each_token(tokenizer) -> N
         assert token_texts[token_id] == tokenizer.decode([token_id], skip_special_tokens=False)
     shared = IncrementalDetokenizer(tokenizer, [1], token_texts=token_texts)
     assert [shared.token_text(token_id) for token_id in ids] == [token_texts[token_id] for token_id in ids]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_the_rust_stream_gives_the_pieces_of_the_decoded_windows(tokenizer, embedded_model_dir, text: str) -> None:
+    """A fast tokenizer's pieces come from the tokenizers library's stream decoder; one that cleans
+    up spaces decodes windows through transformers: the same pieces where both apply."""
+    windowed_tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir, clean_up_tokenization_spaces=True)
+    prompt_ids = tokenizer("Say something:")["input_ids"]
+    generated = tokenizer(text, add_special_tokens=False)["input_ids"]
+    streamed, windowed = IncrementalDetokenizer(tokenizer, prompt_ids), IncrementalDetokenizer(windowed_tokenizer, prompt_ids)
+    assert streamed._stream is not None and windowed._stream is None
+    assert [streamed.add_token(t) for t in generated] == [windowed.add_token(t) for t in generated]

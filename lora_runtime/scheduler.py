@@ -126,6 +126,7 @@ class Scheduler:
         self.adapter_pages = adapter_pages
         self._identity_of = identity_of
         self.recompute_length = recompute_length
+        self._short_rotated: set[str] = set()  # requests whose cache was computed at most that long
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._waited_steps: dict[str, int] = {}
@@ -189,7 +190,7 @@ class Scheduler:
                 return
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            if request.num_computed_tokens == self.recompute_length == request.num_tokens - 1:
+            if request.request_id in self._short_rotated and request.num_tokens > self.recompute_length:
                 self._restart(request)
             num_new = budget.num_tokens_for(request)
             if num_new == 0:
@@ -198,6 +199,7 @@ class Scheduler:
                 return
             budget.take(request, num_new)
             scheduled.append(ScheduledRequest.of(request, num_new))
+            self._note_rotation(request)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, budget: _StepBudget,
                              scheduled: list[ScheduledRequest], preempted: list[Request]) -> bool:
@@ -247,6 +249,7 @@ class Scheduler:
             self._waited_steps.pop(request.request_id, None)
             budget.take(request, num_new)
             scheduled.append(ScheduledRequest.of(request, num_new))
+            self._note_rotation(request)
         for request in passed_over:
             self._waited_steps[request.request_id] = self._waited_steps.get(request.request_id, 0) + 1
         self.waiting.extendleft(reversed(passed_over))
@@ -275,18 +278,32 @@ class Scheduler:
     def _is_overdue(self, request: Request) -> bool:
         return self._waited_steps.get(request.request_id, 0) >= self.config.max_wait_steps_before_priority
 
+    def _note_rotation(self, request: Request) -> None:
+        """Remember a request whose tokens this step computes while it is at most `recompute_length`
+        long (LongRoPE's short factors)."""
+        if self.recompute_length is not None and request.num_tokens <= self.recompute_length:
+            self._short_rotated.add(request.request_id)
+
     def _restart(self, request: Request) -> None:
-        """Recompute the running request's cache from its first token, under the block chain of its
-        new length (LongRoPE's switch to its long factors, where HF's Phi-3 `generate` recomputes)."""
+        """Recompute the running request's cache from its first token (LongRoPE's switch to its long
+        factors, where HF's Phi-3 `generate` recomputes)."""
         self.kv_cache.free(request.request_id)
         request.num_computed_tokens = 0
-        request.kv_identity = None
-        request.block_hashes = []
+        self._forget_rotation(request)
+
+    def _forget_rotation(self, request: Request) -> None:
+        """A request whose short-rotated cache is gone chains its next blocks from the root of its
+        length then (`identity_of`)."""
+        if request.request_id in self._short_rotated:
+            self._short_rotated.discard(request.request_id)
+            request.kv_identity = None
+            request.block_hashes = []
 
     def _preempt(self, request: Request) -> None:
         """Free the request's blocks and its adapter's pin; it will recompute its prompt and outputs
         when readmitted."""
         self.kv_cache.free(request.request_id)
+        self._forget_rotation(request)
         if request.adapter_key is not None:
             self._adapters().release(request.adapter_key)
         self.num_preemptions += 1
@@ -321,5 +338,6 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self._waited_steps.pop(request.request_id, None)
+        self._short_rotated.discard(request.request_id)
         self.kv_cache.free(request.request_id)
         request.status = status

@@ -94,7 +94,9 @@ def _serve(model_dir, backend: str, prompts: list[list[int]], num_new_tokens: in
     for request in requests:
         scheduler.add_request(request)
     rows: dict[str, dict[int, torch.Tensor]] = {r.request_id: {} for r in requests}
-    while scheduler.num_unfinished:
+    for _ in range(300):  # a request recomputed again and again would never finish
+        if not scheduler.num_unfinished:
+            break
         output = scheduler.schedule()
         result = runner.execute(output)
         scheduler.update_after_step(output)
@@ -106,6 +108,7 @@ def _serve(model_dir, backend: str, prompts: list[list[int]], num_new_tokens: in
             request.output_token_ids.append(int(result.logits[row].argmax()))
             if len(request.output_token_ids) == num_new_tokens:
                 scheduler.finish(request)
+    assert not scheduler.num_unfinished, "the requests did not finish in 300 steps"
     return requests, rows, scheduler
 
 
@@ -136,6 +139,14 @@ def test_phi3_longrope_with_partial_rotary_matches_hf_generation(tmp_path, backe
     kept = cached_forward_logits(hf_model, crossing.all_token_ids, crossing.num_prompt_tokens)
     ours = torch.stack([rows[crossing.request_id][p] for p in range(ORIGINAL, crossing.num_tokens - 1)])
     assert (ours - kept[ORIGINAL : crossing.num_tokens - 1]).abs().max() > 10 * ATOL  # the recompute matters
+
+
+def test_a_prompt_over_the_switch_prefilled_up_to_it_is_not_recomputed(tmp_path) -> None:
+    """A 33-token prompt in chunks of 16 has 32 tokens computed after two steps, all with the long
+    factors already: it goes on (a restart there would prefill the same chunks forever)."""
+    hf_model = save_random_model(phi3_longrope(), tmp_path)
+    requests, rows, _ = _serve(tmp_path, "torch", _prompts((33,), seed=2), num_new_tokens=3)
+    _assert_matches_hf_generation(hf_model, requests, rows, 3)
 
 
 @pytest.mark.parametrize("rope_type", sorted(LLAMA_ROPE))

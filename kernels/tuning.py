@@ -186,6 +186,13 @@ def use_bgmv(num_active_tokens: int, num_segments: int) -> bool:
     return num_active_tokens < BGMV_MAX_TOKENS_PER_SEGMENT * num_segments
 
 
+# Triton matmul over quantized blocks (kernels/quantized_matmul.py): x rows and output columns per
+# program, and reduction columns per step (a multiple of 32, the finest scale granularity of every type).
+QUANTIZED_BLOCK_M = 16
+QUANTIZED_BLOCK_N = 32
+QUANTIZED_BLOCK_K = 64
+
+
 # Triton paged attention. Decode splits a context across programs only when the batch alone does
 # not fill the GPU: aim for about DECODE_TARGET_PROGRAMS programs, each split covering at least
 # DECODE_MIN_SPLIT_TOKENS keys; the number of splits is a power of two (the merge uses tl.arange).

@@ -1,6 +1,6 @@
 """One backend per device, chosen once: `backend_for(device)`.
 
-- CUDA: `TritonBackend` (the SGMV/BGMV and paged-attention Triton kernels).
+- CUDA: `TritonBackend` (the SGMV/BGMV, paged-attention and quantized-matmul Triton kernels).
 - CPU: `CompiledCPUBackend` where the compiled CPU ops are installed and this CPU runs one of their
   forms (`kernels.cpu_ops`), else `TorchBackend`.
 - Any other device: `TorchBackend`.

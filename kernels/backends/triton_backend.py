@@ -1,6 +1,6 @@
-"""The Triton backend: the SGMV/BGMV LoRA kernels and the paged-attention kernels on CUDA (or on CPU
-tensors under the Triton interpreter, `TRITON_INTERPRET=1`, which is how CI runs them), and the
-PyTorch backend's ops for the rest (cuBLAS matmuls, elementwise ops)."""
+"""The Triton backend: the SGMV/BGMV LoRA kernels, the paged-attention kernels and the matmul over
+quantized blocks on CUDA (or on CPU tensors under the Triton interpreter, `TRITON_INTERPRET=1`, which
+is how CI runs them), and the PyTorch backend's ops for the rest (cuBLAS matmuls, elementwise ops)."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -11,6 +11,7 @@ from kernels.attention.plans import StepSequences, TritonAttentionPlan
 from kernels.backends.torch_backend import TorchBackend
 from kernels.lora.layouts import LoraLayout, ModuleShape, RowPages
 from kernels.lora.plans import LoraSlice, PageTable, TritonLoraPlan
+from kernels.quantized import QuantizedWeight
 
 
 class TritonBackend(TorchBackend):
@@ -25,6 +26,16 @@ class TritonBackend(TorchBackend):
             raise RuntimeError("the Triton backend on CPU tensors needs the Triton interpreter: set "
                                "TRITON_INTERPRET=1 before kernels is imported")
         super().__init__(device)
+
+    def linear(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None, *,
+               few_rows: bool = False):
+        """A quantized weight through the Triton matmul over its blocks (kernels/quantized_matmul.py),
+        dequantized inside the kernel; a dense one through cuBLAS."""
+        if isinstance(weight, QuantizedWeight):
+            from kernels.quantized_matmul import TritonQuantizedLinear
+
+            return TritonQuantizedLinear(weight, bias, self.device)
+        return super().linear(weight, bias, few_rows=few_rows)
 
     def lora_layout(self, model_dtype: torch.dtype, shapes: Sequence[ModuleShape]) -> LoraLayout:
         return RowPages(model_dtype)

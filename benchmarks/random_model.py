@@ -21,6 +21,11 @@ LLAMA_3_2_1B_SHAPE = {
     "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256, "max_position_embeddings": 8192,
     "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
 }
+# Llama-3.1-8B's shape, as overrides of the 1B one (its context cut to the 1B's: the step's work is the same).
+LLAMA_3_1_8B_OVERRIDES = {
+    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": False,
+}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
@@ -52,6 +57,8 @@ def _random_weights(shape: dict) -> dict[str, torch.Tensor]:
 
     weights = {"model.embed_tokens.weight": normal(shape["vocab_size"], hidden),
                "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
+    if not shape["tie_word_embeddings"]:
+        weights["lm_head.weight"] = normal(shape["vocab_size"], hidden)
     for layer in range(shape["num_hidden_layers"]):
         prefix = f"model.layers.{layer}."
         weights |= {

@@ -151,7 +151,7 @@ def run_closed_loop(engine: Engine, requests: list[ChatRequest], params: Samplin
             while len(finished) + len(in_flight) < len(requests) and len(in_flight) < concurrency:
                 index = len(finished) + len(in_flight)
                 request = requests[index]
-                in_flight[engine.add_request(request.inputs, params, adapter=adapter_of(request.adapter_name))] = index
+                in_flight[engine.add_request(request.inputs, params, engine.parse_adapter(adapter_of(request.adapter_name)))] = index
             for output in engine.step():
                 if output.finished:
                     finished[in_flight.pop(output.request_id)] = output

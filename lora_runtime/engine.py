@@ -11,38 +11,32 @@ import itertools
 import logging
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
-import kernels
 from lora_runtime.adapters.cache import AdapterLease
 from lora_runtime.adapters.manager import AdapterManager, Lease
 from lora_runtime.adapters.refs import AdapterArgument, AdapterKey, AdapterRequest, AdapterSource, Caller
 from lora_runtime.api import EngineStats
-from lora_runtime.engine_info import BaseModelShape
-from lora_runtime.best_of import BestOfGroup
+from lora_runtime.best_of import BestOfGroup, BestOfGroups, share_prompt_cache
 from lora_runtime.config import EngineConfig
-from lora_runtime.dtypes import resolve_dtype
-from lora_runtime.device_memory import sized_for_device
 from lora_runtime.core import CacheScope, Request, RequestOutput, RequestStatus, SamplingParams
-from lora_runtime.embedded import EMBEDDED_MODEL_NAME, ensure_embedded_model
-from lora_runtime.engine_info import EngineInfo
+from lora_runtime.engine_info import BaseModelShape, EngineInfo
+from lora_runtime.engine_setup import (eos_token_ids, load_configured_model, model_location, num_kv_blocks,
+                                       sized_config)
 from lora_runtime.engine_stats import LoopActivity, engine_stats
-from lora_runtime.errors import EngineError, NonFiniteLogitsError, ValidationError
-from lora_runtime.gguf_model import is_gguf_file, load_gguf
+from lora_runtime.errors import EngineError, ValidationError
 from lora_runtime.kv_cache import KVCacheManager
-from lora_runtime.loader import load_model
 from lora_runtime.memory_budget import MemoryBudget, memory_budget_for
 from lora_runtime.model_runner import ModelRunner, ModelRunnerOutput
-from lora_runtime.prefix_cache import kv_identity
 from lora_runtime.models.llama import LlamaModel
+from lora_runtime.prefix_cache import kv_identity
 from lora_runtime.request_state import RequestState
-from lora_runtime.sampling.sampler import SampleResult, Sampler, TokenizerInfo, TopPairs, chunk_logprobs
+from lora_runtime.row_sampling import RowSample, sample_rows
+from lora_runtime.sampling.sampler import Sampler, TokenizerInfo, TopPairs, chunk_logprobs
 from lora_runtime.scheduler import Scheduler
 from lora_runtime.step_timing import StepTimes
-from lora_runtime.threads import use_threads
-from lora_runtime.validation import prepare_prompt
+from lora_runtime.validation import KVCapacity, prepare_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -62,14 +56,14 @@ class Engine:
         memory_budget: MemoryBudget | None = None,
     ) -> None:
         if memory_budget is None:  # built from a model in hand: the budget of the checkpoint it came from
-            memory_budget = memory_budget_for(config, _model_location(config)[0], str(model.dtype).removeprefix("torch."))
+            memory_budget = memory_budget_for(config, model_location(config)[0], str(model.dtype).removeprefix("torch."))
         self.memory_budget = memory_budget
-        config = _sized(config, memory_budget)
+        config = sized_config(config, memory_budget)
         self.config = config
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.model = model
-        num_blocks = _num_kv_blocks(config, model)
+        num_blocks = num_kv_blocks(config, model)
         self.kv_cache = KVCacheManager(num_blocks, config.kv_cache.block_size_tokens,
                                        config.kv_cache.enable_prefix_caching, model.features.max_window)
         base_shape = BaseModelShape(model_name, model.shape.num_layers, model.shape.module_dims())
@@ -79,9 +73,9 @@ class Engine:
         self.runner = ModelRunner(model, self.kv_cache, num_blocks, config.device, self.adapters)
         self.step_times = StepTimes()
         self.sampler = Sampler(self.step_times)
-        self.tokenizer_info = TokenizerInfo(tokenizer, model.shape.vocab_size, _eos_token_ids(tokenizer, model_name))
+        self.tokenizer_info = TokenizerInfo(tokenizer, model.shape.vocab_size, eos_token_ids(tokenizer, model_name))
         self._states: dict[str, RequestState] = {}
-        self._group_of: dict[str, BestOfGroup] = {}  # candidate request id -> its best_of group
+        self.best_of = BestOfGroups()
         self._leases: dict[str, Lease] = {}  # request id -> its hold on its adapter
         self._request_counter = itertools.count()
         self._wakeup = threading.Event()  # set when an adapter load settles or `wake()` is called
@@ -90,24 +84,9 @@ class Engine:
     @classmethod
     def from_config(cls, config: EngineConfig | None = None, adapter_sources: dict[str, AdapterSource] | None = None) -> Engine:
         """Load the configured model (the embedded one by default) and build the engine."""
-        from transformers import AutoTokenizer
-
         config = config or EngineConfig()
-        num_threads, source = use_threads(config.num_threads)
-        logger.info("compute threads: %d (%s)", num_threads, source)
-        model_dir, model_name = _model_location(config)
-        backend = kernels.backend_for(config.device, config.kernel_backend)
-        dtype, reason = resolve_dtype(config.dtype, config.device)
-        logger.info("model %s in %s (%s), kernel backend %s", model_name, dtype, reason, backend.label)
-        memory_budget = memory_budget_for(config, model_dir, dtype)  # refuses a model that does not fit, unread
-        if is_gguf_file(model_dir):
-            if config.quantization is not None:
-                raise ValidationError("quantization", f"{model_dir.name} is a GGUF file: it keeps its own types")
-            model, tokenizer = load_gguf(model_dir, dtype, config.device, backend)
-        else:
-            model = load_model(model_dir, dtype, config.device, backend, config.quantization)
-            tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        return cls(config, model, tokenizer, model_name, adapter_sources, memory_budget)
+        loaded = load_configured_model(config)
+        return cls(config, loaded.model, loaded.tokenizer, loaded.model_name, adapter_sources, loaded.memory_budget)
 
     @property
     def max_model_len(self) -> int:
@@ -124,23 +103,26 @@ class Engine:
 
     @property
     def info(self) -> EngineInfo:
-        return EngineInfo(self.model_name, self.max_model_len, self.config, self.dtype_name, self.kernel_backend,
+        return EngineInfo(self.model_name, self.max_model_len, self.model.shape.vocab_size, self.config, self.dtype_name, self.kernel_backend,
                           self.tokenizer, self.adapters.base_shape, self.adapters.limits, self.num_threads,
                           self.memory_budget)
+
+    @property
+    def kv_capacity(self) -> KVCapacity:
+        return KVCapacity(self.kv_cache.num_blocks, self.kv_cache.block_size_tokens)
 
     def add_request(
         self,
         prompt: str | list[int],
         params: SamplingParams | None = None,
-        adapter: AdapterArgument | Lease = None,
+        adapter: AdapterRequest | Lease | None = None,
         request_id: str | None = None,
-        api_token: str | None = None,
         cache_scope: CacheScope = CacheScope(),
     ) -> str:
         """Validate and queue a request; returns its id. Raises ValidationError for bad input.
 
-        `adapter`: None (base model), an adapter id (a local PEFT directory path works), an
-        `AdapterRef`, a `MergedAdapters`, an `AdapterRequest`, or a lease from `adapters.acquire`,
+        `adapter`: None (base model), an `AdapterRequest` (`parse_adapter` makes one from an id, a
+        reference or a merge; `generate` takes those directly), or a lease from `acquire_adapter`,
         which the engine then owns (released when the request ends, or here if it is refused). It
         loads in the background; other requests keep running meanwhile, and a failed load fails this
         request only. `cache_scope`: whose cached prompt blocks it may reuse (its tenant, its salt).
@@ -148,14 +130,13 @@ class Engine:
         params = params or SamplingParams()
         lease = adapter if isinstance(adapter, AdapterLease) else None
         try:
-            if lease is None:
-                adapter_request = self.parse_adapter(adapter, Caller(api_token=api_token))
-                lease = self.acquire_adapter(adapter_request) if adapter_request is not None else None
+            if lease is None and adapter is not None:
+                lease = self.acquire_adapter(_typed_adapter(adapter))
             request_id = request_id or f"req-{next(self._request_counter)}"
             if request_id in self._states:
                 raise ValidationError("request_id", f"{request_id!r} is already in use")
             chat_template = self._chat_template(params, lease)
-            prompt_text, token_ids, params = prepare_prompt(prompt, params, self, chat_template)
+            prompt_text, token_ids, params = prepare_prompt(prompt, params, self.info, self.kv_capacity, chat_template)
             request = Request(request_id=request_id, prompt_token_ids=token_ids, params=params,
                               cache_scope=cache_scope)
             state = RequestState(request, prompt_text, self.tokenizer_info)
@@ -168,13 +149,13 @@ class Engine:
             self._leases[request_id] = lease
             lease.load.add_done_callback(lambda _: self._wakeup.set())
         self._states[request_id] = state
-        if params.best_of > 1:
-            self._group_of[request_id] = BestOfGroup(state)
+        self.best_of.add(state)
         self.scheduler.add_request(request)
         return request_id
 
     def parse_adapter(self, adapter: AdapterArgument, caller: Caller = Caller()) -> AdapterRequest | None:
-        """`add_request`'s `adapter` (but a lease) as a typed request; safe from any thread (it reads
+        """An adapter as a library caller names it (`AdapterArgument`: an id, a local path, a
+        reference, a merge) as the typed request `add_request` takes; safe from any thread (it reads
         only the configured sources)."""
         return self.adapters.parse(adapter, caller)
 
@@ -211,10 +192,7 @@ class Engine:
     def abort(self, request_id: str) -> None:
         """Cancel a request (all its best_of candidates) wherever it is; its KV blocks are freed at
         once. Unknown ids are ignored."""
-        group = self._group_of.get(request_id)
-        candidates = [c.request_id for c in group.candidates] if group is not None else [request_id]
-        for candidate_id in candidates:
-            self._group_of.pop(candidate_id, None)
+        for candidate_id in self.best_of.take_candidate_ids(request_id):
             state = self._states.get(candidate_id)
             if state is not None:
                 self._finish(state, RequestStatus.ABORTED)
@@ -285,50 +263,32 @@ class Engine:
         if rows.sample_rows != tuple(range(logits.shape[0])):  # prompt rows are mixed in
             logits = logits[list(rows.sample_rows)]
         with self.step_times.phase("sample"):
-            samples = self._sample_each(logits, states)
+            samples = sample_rows(self.sampler, logits, [state.sampling for state in states])
         with self.step_times.phase("update"):
             return self._update_each(states, samples, logits)
 
-    def _update_each(self, states: list[RequestState], samples: list[tuple[int, float, TopPairs] | Exception],
+    def _update_each(self, states: list[RequestState], samples: list[RowSample],
                      logits: torch.Tensor) -> list[RequestOutput]:
         """Each request's sampled token appended (its text, stop criteria, best_of forks)."""
         outputs = []
         for row, (state, sample) in enumerate(zip(states, samples)):
             try:
-                if isinstance(sample, Exception):  # its sampling failed (see _sample_each)
+                if isinstance(sample, Exception):  # its sampling failed (see sample_rows)
                     outputs.append(self._fail_request(state, sample))
                     continue
                 outputs.extend(self._append_token(state, *sample))
-                group = self._group_of.get(state.request_id)
-                if group is not None and group.needs_fork:
+                group = self.best_of.to_fork(state)
+                if group is not None:
                     outputs.extend(self._fork_candidates(group, logits[row]))
             except Exception as error:  # this request's own processing (its grammar, say): it alone fails
                 outputs.append(self._fail_request(state, error))
         return outputs
 
-    def _sample_each(
-        self, logits: torch.Tensor, states: list[RequestState]
-    ) -> list[tuple[int, float, TopPairs] | Exception]:
-        """(token, logprob, top tokens) per row, sampled as one batch; if the batch raises, each row
-        alone, so that a request whose logits processing fails gets its error and the others theirs.
-        (Rows redrawn alone after a failure inside the batch's draws may not repeat their seeded
-        draws; the batch raises before drawing in every failure we know of: the processors run first.)"""
-        try:
-            return _samples_of(self.sampler.sample(logits, [state.sampling for state in states]))
-        except Exception:
-            samples: list[tuple[int, float, TopPairs] | Exception] = []
-            for row, state in enumerate(states):
-                try:
-                    samples.extend(_samples_of(self.sampler.sample(logits[row : row + 1], [state.sampling])))
-                except Exception as error:
-                    samples.append(error)
-            return samples
-
     def _fail_request(self, state: RequestState, error: Exception) -> RequestOutput:
         """End a request (every candidate of its best_of group) with `error`; its blocks return now."""
         logger.error("request %s failed while generating", state.request_id, exc_info=error)
         wrapped = error if isinstance(error, EngineError) else EngineError(f"generation failed: {error}")
-        group = self._group_of.get(state.request_id)
+        group = self.best_of.group_of(state.request_id)
         state.fail(wrapped)
         self.abort(state.request_id)
         output = state.snapshot()
@@ -339,60 +299,30 @@ class Engine:
         state.append_token(token_id, logprob, top)
         if state.is_finished:
             self._finish(state)
-        group = self._group_of.get(state.request_id)
-        if group is None:
-            return [state.snapshot()]
-        if state.is_finished and group.mark_finished(state):
-            for candidate in group.candidates:
-                self._group_of.pop(candidate.request_id, None)
-            return [group.result()]
-        return []  # best_of results are reported whole, once every candidate has finished
+        return self.best_of.outputs_after_token(state)
 
     def _fork_candidates(self, group: BestOfGroup, logits_row: torch.Tensor) -> list[RequestOutput]:
         """Start candidates 1..n-1 from the first one's computed prompt and its first-token logits."""
         first = group.candidates[0]
-        children = []
-        for index in range(1, group.num_candidates):
-            request = Request(group.candidate_id(index), first.request.prompt_token_ids, first.request.params,
-                              adapter_key=first.request.adapter_key, cache_scope=first.request.cache_scope,
-                              num_cached_tokens=first.request.num_cached_tokens)
-            child = RequestState(request, first.prompt, self.tokenizer_info, candidate_index=index)
-            self._states[request.request_id] = child
-            self._group_of[request.request_id] = group
-            group.add(child)
-            parent_lease = self._leases.get(first.request_id)
+        children = self.best_of.fork(group, self.tokenizer_info)
+        parent_lease = self._leases.get(first.request_id)
+        for child in children:
+            self._states[child.request_id] = child
             if parent_lease is not None:
-                self._leases[request.request_id] = parent_lease.share()
-            children.append(child)
+                self._leases[child.request_id] = parent_lease.share()
         logits = logits_row.unsqueeze(0).expand(len(children), -1)
         result = self.sampler.sample(logits, [child.sampling for child in children])
         outputs = []
         for child, token_id, logprob, top in zip(children, result.token_ids, result.logprobs, result.top):
-            self._share_prompt_cache(first.request, child.request)
+            share_prompt_cache(first.request, child.request, self.kv_cache, self.scheduler, self.runner.copy_block)
             outputs.extend(self._append_token(child, token_id, logprob, top))
         return outputs
-
-    def _share_prompt_cache(self, parent: Request, child: Request) -> None:
-        """Give the child the parent's prompt K/V: full blocks shared, the partial last one copied.
-        Without a free block for the copy, the child recomputes its prompt instead."""
-        num_prompt = parent.num_prompt_tokens
-        self.kv_cache.fork(parent.request_id, child.request_id, num_prompt)
-        if self.kv_cache.allocate_slots(child.request_id, num_prompt):
-            partial_idx = num_prompt // self.kv_cache.block_size_tokens
-            if num_prompt % self.kv_cache.block_size_tokens:
-                parent_block = self.kv_cache.block_table(parent.request_id)[partial_idx]
-                self.runner.copy_block(parent_block, self.kv_cache.block_table(child.request_id)[partial_idx])
-            child.num_computed_tokens = num_prompt
-            self.scheduler.add_running(child)
-        else:
-            self.kv_cache.free(child.request_id)
-            self.scheduler.add_request(child)
 
     def generate(
         self,
         prompts: Sequence[str | list[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
-        adapters: Sequence[object] | None = None,
+        adapters: Sequence[AdapterArgument] | None = None,
         cache_scope: CacheScope = CacheScope(),
     ) -> list[RequestOutput]:
         """Run prompts to completion together, all in `cache_scope`; outputs in prompt order. A
@@ -402,7 +332,7 @@ class Engine:
         adapter_list = list(adapters) if adapters is not None else [None] * len(prompts)
         if len(adapter_list) != len(prompts):
             raise ValidationError("adapters", f"expected {len(prompts)} entries, got {len(adapter_list)}")
-        ids = [self.add_request(prompt, p, adapter, cache_scope=cache_scope)
+        ids = [self.add_request(prompt, p, self.parse_adapter(adapter), cache_scope=cache_scope)
                for prompt, p, adapter in zip(prompts, param_list, adapter_list)]
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):
@@ -410,12 +340,6 @@ class Engine:
                 if output.finished:
                     final[output.request_id] = output
         return [final[request_id] for request_id in ids]
-
-
-def _samples_of(result: SampleResult) -> list[tuple[int, float, TopPairs] | Exception]:
-    """Each row's (token, logprob, top tokens), or the error of a row whose scores were not finite."""
-    return [(token_id, logprob, top) if finite else NonFiniteLogitsError()
-            for token_id, logprob, top, finite in zip(result.token_ids, result.logprobs, result.top, result.finite)]
 
 
 def _broadcast_params(params, count: int) -> list[SamplingParams]:
@@ -427,34 +351,8 @@ def _broadcast_params(params, count: int) -> list[SamplingParams]:
     return params
 
 
-def _eos_token_ids(tokenizer, model_name: str) -> list[int]:
-    if tokenizer.eos_token_id is None:
-        raise ValidationError("model", f"{model_name}: the tokenizer defines no EOS token")
-    return [tokenizer.eos_token_id]
-
-
-def _model_location(config: EngineConfig) -> tuple[Path, str]:
-    """The configured model's path (the embedded one's by default) and its name."""
-    if config.model is None:
-        return ensure_embedded_model(config.cache_dir), EMBEDDED_MODEL_NAME
-    model_dir = Path(config.model).expanduser()
-    return model_dir, model_dir.name.lower()
-
-
-def _sized(config: EngineConfig, budget: MemoryBudget | None) -> EngineConfig:
-    """`config` with its KV cache's bytes: the CPU budget's, or on CUDA what the device has free."""
-    if budget is None:
-        return sized_for_device(config)
-    logger.info("%s", budget.describe())
-    return dataclasses.replace(config, kv_cache=dataclasses.replace(config.kv_cache, memory_bytes=budget.kv_cache_bytes))
-
-
-def _num_kv_blocks(config: EngineConfig, model: LlamaModel) -> int:
-    if config.kv_cache.num_blocks is not None:
-        return config.kv_cache.num_blocks
-    shape = model.shape
-    bytes_per_block = (
-        2 * shape.num_layers * config.kv_cache.block_size_tokens * shape.num_kv_heads * shape.head_dim
-        * model.dtype.itemsize
-    )
-    return max(1, config.kv_cache.memory_bytes // bytes_per_block)
+def _typed_adapter(adapter: object) -> AdapterRequest:
+    if not isinstance(adapter, AdapterRequest):
+        raise ValidationError("adapter", f"add_request takes an AdapterRequest, not {type(adapter).__name__}: "
+                                         "parse_adapter makes one (generate takes ids)")
+    return adapter

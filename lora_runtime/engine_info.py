@@ -56,6 +56,7 @@ class AdapterLimits:
 class EngineInfo:
     model_name: str
     max_model_len: int
+    vocab_size: int  # the logits' width: every prompt token id is below it
     config: EngineConfig
     dtype_name: str
     kernel_backend: str  # the kernel backend's label, e.g. "cpu/avx2"

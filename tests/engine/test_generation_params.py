@@ -6,6 +6,7 @@ valid under `jsonschema`."""
 from __future__ import annotations
 
 import json
+import pickle
 
 import jsonschema
 import pytest
@@ -165,7 +166,30 @@ def test_apply_chat_template_renders_text_or_messages_with_the_base_template(eng
         output = engine.generate([inputs], params)[0]
         assert output.prompt == expected
         assert output.prompt_token_ids == engine.tokenizer(expected, add_special_tokens=False)["input_ids"]
-    assert prepare_prompt("hi", params, engine, CUSTOM_TEMPLATE)[0] == "<<user>>hi<<assistant>>"
+    assert prepare_prompt("hi", params, engine.info, engine.kv_capacity, CUSTOM_TEMPLATE)[0] == "<<user>>hi<<assistant>>"
     with pytest.raises(ValidationError) as error:
         engine.add_request(json.dumps([{"role": "user"}]), params)
     assert error.value.field == "inputs"
+
+
+def test_a_request_is_validated_from_the_engine_info_and_the_kv_capacity_alone(engine) -> None:
+    """What a front end holds of an engine (its `EngineInfo`, picklable) and the KV cache's capacity
+    decide the checks: a cache with room for 4 new tokens refuses 8, which the engine's own accepts."""
+    from lora_runtime.validation import KVCapacity, prepare_prompt
+
+    info = pickle.loads(pickle.dumps(engine.info))
+    params = SamplingParams(max_new_tokens=8)
+    _, token_ids, _ = prepare_prompt("hi", params, info, engine.kv_capacity)
+    assert token_ids == engine.tokenizer("hi")["input_ids"]
+    small = KVCapacity(num_blocks=len(token_ids) + 4, block_size_tokens=1)
+    with pytest.raises(ValidationError, match=f"the cache holds {len(token_ids) + 4}") as error:
+        prepare_prompt("hi", params, info, small)
+    assert error.value.field == "max_new_tokens"
+    assert prepare_prompt("hi", SamplingParams(max_new_tokens=None), info, small)[2].max_new_tokens == 4  # the room
+
+
+def test_add_request_takes_a_typed_adapter_request_and_generate_takes_ids(engine) -> None:
+    with pytest.raises(ValidationError) as error:
+        engine.add_request("hi", SamplingParams(max_new_tokens=1), "org/name")
+    assert error.value.field == "adapter" and "parse_adapter" in error.value.message
+    assert not engine.has_unfinished_requests()

@@ -76,7 +76,7 @@ def test_a_greedy_step_reads_the_device_once(monkeypatch, tiny_dir, adapter_dirs
     engine = make_engine(tiny_dir, backend="triton")
     adapters = [None if name is None else str(adapter_dirs[name]) for name in ASSIGNMENT]
     for prompt, adapter in zip(PROMPTS, adapters):
-        engine.add_request(prompt, SamplingParams(max_new_tokens=4, ignore_eos_token=True), adapter)
+        engine.add_request(prompt, SamplingParams(max_new_tokens=4, ignore_eos_token=True), engine.parse_adapter(adapter))
     while engine.scheduler.waiting:  # admitted once their adapters have loaded
         engine.step()
     steps = []

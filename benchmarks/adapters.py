@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import platform
@@ -45,6 +44,7 @@ from benchmarks.adapter_sources import cold_load_latencies
 from benchmarks.engine import NO_PREFIX_CACHE, make_prompts, median_of_interleaved
 from benchmarks.instruction_peak import instruction_peak
 from benchmarks.peft_baseline import RANKS, make_random_adapters
+from benchmarks.results_writer import RESULTS_DIR, results_stem, write_results
 from benchmarks.roofline import floor_seconds, measure_rates, model_costs
 from benchmarks.timing import Timer, peak_rss_mib, rss_mib
 from kernels.lora.layouts import PAGE_ROWS
@@ -54,7 +54,6 @@ from lora_runtime.config import AdapterConfig, SchedulerConfig
 from lora_runtime.embedded import default_cache_dir, ensure_embedded_model
 
 logger = logging.getLogger("benchmarks.adapters")
-RESULTS_DIR = Path(__file__).parent / "results"
 NUM_TEMPLATES = 32
 POPULARITIES = ("uniform", "power_law")
 GOAL = {"num_adapters": 128, "min_ratio_to_base": 0.80}
@@ -214,7 +213,8 @@ def main(argv=None) -> dict:
                                          repeats=1 if args.quick else 3),
     }
     log_report(report)
-    write_results(report, args)
+    stem = results_stem("adapters", report["environment"]["dtype"], f"{args.threads}t", quick=args.quick)
+    write_results(report, args.results_dir, stem, lambda path: plot(report, path))
     return report
 
 
@@ -240,14 +240,6 @@ def log_report(report: dict) -> None:
                 report["pool_commit"]["gib"], report["pool_commit"]["seconds"])
     logger.info("peak RSS %.0f MiB (%.0f MiB before the %d adapters were registered)", report["peak_rss_mib"],
                 report["registry_rss_mib"], work["registered_adapters"])
-
-
-def write_results(report: dict, args: argparse.Namespace) -> None:
-    args.results_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"adapters_{report['environment']['dtype']}_{args.threads}t{'_quick' if args.quick else ''}"
-    (args.results_dir / f"{stem}.json").write_text(json.dumps(report, indent=1))
-    plot(report, args.results_dir / f"{stem}.png")
-    logger.info("wrote %s.json and %s.png in %s", stem, stem, args.results_dir)
 
 
 def plot(report: dict, path: Path) -> None:

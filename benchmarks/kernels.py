@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import platform
 import statistics
@@ -48,9 +47,9 @@ from kernels.lora.layouts import PAGE_ROWS, ModuleShape, pages_for_rank
 from kernels.lora.plans import LoraSlice, PageTable
 
 from benchmarks import options
+from benchmarks.results_writer import RESULTS_DIR, results_stem, write_results
 
 LOG = logging.getLogger("benchmarks.kernels")
-RESULTS_DIR = Path(__file__).parent / "results"
 # (hidden_in, out): SmolLM2-135M's MLP up projection and a 7B-class square projection.
 PROJECTIONS = [(576, 1536), (4096, 4096)]
 RANKS = [8, 16, 64]
@@ -367,19 +366,14 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
     for r in projections:
         LOG.info("projection %4d -> %5d, %3d rows: %s %7.0f us  library %7.0f us  (%.2fx)", r["in"], r["out"],
                  r["rows"], r["kind"], r["compiled_s"] * 1e6, r["library_s"] * 1e6, r["library_s"] / r["compiled_s"])  # fmt: skip
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"kernels_{device.type}_{args.dtype}_{args.threads}t{'_quick' if args.quick else ''}{'_tiny' if args.tiny else ''}"
+    stem = results_stem("kernels", device.type, args.dtype, f"{args.threads}t", quick=args.quick) + ("_tiny" if args.tiny else "")
     environment = {"torch": torch.__version__, "threads": args.threads, "dtype": args.dtype, "backend": backend.label,
                    "device": device.type, "cpu": platform.processor() or platform.machine(),
                    "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
                    "copy_bytes_per_s": copy_rate}  # fmt: skip
     payload = {"environment": environment, "lora": rows, "attention": attention, "projections": projections}
-    (args.out_dir / f"{stem}.json").write_text(json.dumps(payload, indent=1))
-    if args.tiny:  # the plot draws the 576-wide cases, which a tiny run has none of
-        LOG.info("wrote %s.json in %s", stem, args.out_dir)
-        return
-    plot(rows, args.out_dir / f"{stem}.png")
-    LOG.info("wrote %s.json and %s.png in %s", stem, stem, args.out_dir)
+    # A tiny run is not plotted: the plot draws the 576-wide cases, which a tiny run has none of.
+    write_results(payload, args.out_dir, stem, None if args.tiny else lambda path: plot(rows, path))
 
 
 if __name__ == "__main__":

@@ -45,13 +45,13 @@ import torch
 from benchmarks import options
 from benchmarks.engine import make_prompts, median_of_interleaved
 from benchmarks.peers import cpu_model_name
+from benchmarks.results_writer import RESULTS_DIR, results_stem, write_results
 from benchmarks.timing import Timer, peak_rss_mib
 from lora_runtime import Engine, EngineConfig, SamplingParams
 from lora_runtime.config import SchedulerConfig
 from lora_runtime.core import RequestOutput
 
 logger = logging.getLogger("benchmarks.prefix")
-RESULTS_DIR = Path(__file__).parent / "results"
 DEMO_ADAPTERS = Path(__file__).parents[1] / "demo_adapters"
 # Adapter name -> the audience its system prompt's section addresses; "base" runs without an adapter.
 AUDIENCES = {
@@ -231,7 +231,8 @@ def main(argv=None) -> dict:
         "peak_rss_mib": peak_rss_mib(),
     }
     log_report(report)
-    write_results(report, args)
+    stem = results_stem("prefix", report["environment"]["dtype"], f"{args.threads}t", quick=args.quick)
+    write_results(report, args.results_dir, stem)
     if loaded.dtype_name == "float32":  # in bf16 chunk boundaries alone change tokens (module docstring)
         assert report["token_mismatches"] == 0, "greedy tokens differ with the cache on: wrong-adapter hits?"
     return report
@@ -266,11 +267,6 @@ def log_report(report: dict) -> None:
     logger.info("peak RSS %.0f MiB", report["peak_rss_mib"])
 
 
-def write_results(report: dict, args: argparse.Namespace) -> None:
-    args.results_dir.mkdir(parents=True, exist_ok=True)
-    path = args.results_dir / f"prefix_{report['environment']['dtype']}_{args.threads}t{'_quick' if args.quick else ''}.json"
-    path.write_text(json.dumps(report, indent=1))
-    logger.info("wrote %s", path)
 
 
 if __name__ == "__main__":

@@ -31,8 +31,9 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.results_writer import RESULTS_DIR, write_results
+
 logger = logging.getLogger("benchmarks.serving")
-RESULTS_DIR = Path(__file__).parent / "results"
 PROMPT = "Write a short story about a robot who learns to paint. Once upon a time,"
 
 
@@ -274,14 +275,10 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _write(args: argparse.Namespace, target: Target, reports: list[LevelReport]) -> None:
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / time.strftime("serving-%Y%m%d-%H%M%S")
     document = {"deployment": target.deployment, "max_new_tokens": args.max_new_tokens,
                 "adapters": args.adapters, "distribution": args.distribution,
                 "prompt": PROMPT, "levels": [asdict(r) for r in reports]}
-    stem.with_suffix(".json").write_text(json.dumps(document, indent=2))
-    plot(reports, stem.with_suffix(".png"))
-    logger.info("wrote %s.json and .png", stem)
+    write_results(document, args.out, time.strftime("serving-%Y%m%d-%H%M%S"), lambda path: plot(reports, path))
 
 
 if __name__ == "__main__":

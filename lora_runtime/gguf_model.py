@@ -105,6 +105,11 @@ class GGUFTensors:
     def has(self, name: str) -> bool:
         return name in self._tensors
 
+    @property
+    def tensor_infos(self) -> list:
+        """gguf's record of each tensor (name, type, element and byte counts); the data stay unread."""
+        return list(self._tensors.values())
+
     def dense(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """The tensor `name` of `shape` in the model's dtype (quantized ones dequantized)."""
         weight = self._read(name, shape)

@@ -122,16 +122,21 @@ class _LayerReader:
                                  [(width, hidden), (width, hidden)])
 
 
+def read_hf_config(model_dir: Path):
+    """The directory's Hugging Face config (transformers' `PretrainedConfig`); refused without one."""
+    from transformers import AutoConfig
+
+    if not (model_dir / "config.json").is_file():
+        raise ValidationError("model", f"{model_dir} is not a Hugging Face model directory (no config.json)")
+    return AutoConfig.from_pretrained(model_dir)
+
+
 def load_model(model_dir: Path, dtype: str, device: str, backend: kernels.Backend,
                quantization: str | None = None) -> LlamaModel:
     """Build our model from a local HF directory (config.json + *.safetensors), its projections laid
     out for `backend`'s matmuls (quantized first: `quantization`, EngineConfig's). `dtype` is a concrete
     dtype ("auto" is resolved by the engine)."""
-    from transformers import AutoConfig
-
-    if not (model_dir / "config.json").is_file():
-        raise ValidationError("model", f"{model_dir} is not a Hugging Face model directory (no config.json)")
-    config = AutoConfig.from_pretrained(model_dir)
+    config = read_hf_config(model_dir)
     shape = model_shape_from_config(config)
     features = model_features_from_config(config, shape)
     torch_dtype = DTYPES[dtype]

@@ -70,11 +70,10 @@ def memory_budget_for(config: EngineConfig, model_path: Path, dtype: str) -> Mem
     for a model we do not serve; reads no weight."""
     if config.device != "cpu":
         return None
+    weights_bytes = checkpoint_weights_bytes(model_path, dtype, config.quantization)  # a GGUF file checked first
     shape = read_model_shape(model_path)
-    itemsize = ITEMSIZES[dtype]
     available = config.kv_cache.available_memory_bytes or available_memory_bytes()
-    return plan_budget(config, shape, checkpoint_weights_bytes(model_path, itemsize, config.quantization),
-                       itemsize, available)
+    return plan_budget(config, shape, weights_bytes, ITEMSIZES[dtype], available)
 
 
 def plan_budget(config: EngineConfig, shape: ModelShape, weights_bytes: int, itemsize: int,
@@ -122,17 +121,19 @@ def read_model_shape(model_path: Path) -> ModelShape:
     when we do not serve it."""
     from transformers import AutoConfig
 
+    from lora_runtime.loader import read_hf_config
     from lora_runtime.models.architectures import model_shape_from_config
 
     if model_path.suffix.lower() == ".gguf":
         return model_shape_from_config(AutoConfig.from_pretrained(model_path.parent, gguf_file=model_path.name))
-    return model_shape_from_config(AutoConfig.from_pretrained(model_path))
+    return model_shape_from_config(read_hf_config(model_path))
 
 
-def checkpoint_weights_bytes(model_path: Path, itemsize: int, quantization: str | None = None) -> int:
-    """The bytes the checkpoint's tensors take once loaded in a dtype of `itemsize` bytes, from headers."""
+def checkpoint_weights_bytes(model_path: Path, dtype: str, quantization: str | None = None) -> int:
+    """The bytes the checkpoint's tensors take once loaded in `dtype`, from headers."""
     if model_path.suffix.lower() == ".gguf":
-        return gguf_weights_bytes(model_path, itemsize)
+        return gguf_weights_bytes(model_path, dtype)
+    itemsize = ITEMSIZES[dtype]
     total = 0.0
     for file in sorted(model_path.glob("*.safetensors")):
         for name, numel in safetensors_numels(file).items():
@@ -149,15 +150,17 @@ def safetensors_numels(file: Path) -> dict[str, int]:
     return {name: math.prod(info["shape"]) for name, info in header.items() if name != "__metadata__"}
 
 
-def gguf_weights_bytes(path: Path, itemsize: int) -> int:
+def gguf_weights_bytes(path: Path, dtype: str) -> int:
     """Block-typed tensors stay as they are in the file; dense ones and the token embedding (looked up
     by row) are held in the model dtype, as gguf_model.py loads them. The file is memory-mapped, not read."""
-    from gguf import GGUFReader
+    from lora_runtime.dtypes import DTYPES
+    from lora_runtime.gguf_model import GGUFTensors
 
+    file = GGUFTensors(path, DTYPES[dtype], "cpu")  # refuses, by name, a file we cannot serve
     total = 0
-    for tensor in GGUFReader(str(path)).tensors:
+    for tensor in file.tensor_infos:
         dense = tensor.tensor_type.name in ("F32", "F16", "BF16") or tensor.name == "token_embd.weight"
-        total += int(tensor.n_elements) * itemsize if dense else int(tensor.n_bytes)
+        total += int(tensor.n_elements) * ITEMSIZES[dtype] if dense else int(tensor.n_bytes)
     return total
 
 

@@ -39,8 +39,8 @@ def _loaded_bytes(directory: Path, itemsize: int) -> int:
 
 def test_weights_bytes_from_the_headers_equal_the_tensors_loaded(sharded_dir: Path) -> None:
     assert len(list(sharded_dir.glob("*.safetensors"))) > 1
-    assert checkpoint_weights_bytes(sharded_dir, 4) == _loaded_bytes(sharded_dir, 4)
-    assert checkpoint_weights_bytes(sharded_dir, 2) == _loaded_bytes(sharded_dir, 2)
+    assert checkpoint_weights_bytes(sharded_dir, "float32") == _loaded_bytes(sharded_dir, 4)
+    assert checkpoint_weights_bytes(sharded_dir, "bfloat16") == _loaded_bytes(sharded_dir, 2)
 
 
 def _engine(directory: Path, kv_cache: KVCacheConfig, scheduler: SchedulerConfig = SchedulerConfig()) -> Engine:
@@ -149,3 +149,10 @@ def test_memory_available_is_the_smaller_of_meminfo_and_the_cgroup(tmp_path: Pat
 def test_the_budget_fits_the_machine_it_runs_on(sharded_dir: Path) -> None:
     budget = memory_budget_for(EngineConfig(model=str(sharded_dir), adapters=SMALL_POOLS), sharded_dir, "float32")
     assert 0 < budget.total_bytes <= budget.available_bytes
+
+
+def test_a_directory_without_a_config_is_refused_by_name_before_the_budget(tmp_path: Path) -> None:
+    from lora_runtime.errors import ValidationError
+
+    with pytest.raises(ValidationError, match="no config.json"):
+        Engine.from_config(EngineConfig(model=str(tmp_path / "absent")))

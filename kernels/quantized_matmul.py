@@ -6,11 +6,12 @@ the reduction QUANTIZED_BLOCK_K (a multiple of 32) columns at a time: it reads t
 straight from the blocks (the same bytes the CPU kernels read, kernels/quantized.py has the formats),
 dequantizes them to float32 in registers, exactly as `kernels.reference.dequantize` does, rounds the
 tile to x's dtype (fp16/bf16 tiles take the tensor cores; float32 tiles multiply with
-input_precision="ieee") and accumulates in float32; the result is rounded to x's dtype once.
+input_precision="ieee") and accumulates in float32; the result is rounded to x's dtype once. Under
+the interpreter both tiles stay float32 (`kernels.triton_utils.upcast_dot_inputs`).
 
 Every element of the weight tile is found by its own byte address (quants) and its block's scale
-addresses, so each type is a few gathers and bit operations on int32 (never on uint8: the
-interpreter's bit ops on uint8 differ from the GPU's); no layout is repacked. The f16 scales sit at
+addresses, so each type is a few gathers and bit operations on int32 (each byte widened first: on
+uint8 the `q - 8` and `q - 32` of the formats would wrap); no layout is repacked. The f16 scales sit at
 even byte offsets of every block (every block size is even), so the kernel reads them through a
 float16 view of the same bytes, and Q8_0's quants and Q6_K's scales through an int8 view.
 """

@@ -95,6 +95,20 @@ class GGUFTensors:
             raise ValidationError("model", f"{path}: general.architecture {self.architecture!r} is not supported; "
                                            f"supported: {sorted(ARCHITECTURES)}")
         self._tensors = {tensor.name: tensor for tensor in self._reader.tensors}
+        self._check_extents()
+
+    def _check_extents(self) -> None:
+        """Each tensor's bytes, as its type and shape size them, end before the next tensor's start (or
+        the file's end): the reader slices them by type and shape alone, so a header whose type or
+        shape disagrees with the data laid out would hand a tensor its neighbour's bytes."""
+        ordered = sorted(self._reader.tensors, key=lambda tensor: tensor.data_offset)
+        ends = [tensor.data_offset for tensor in ordered[1:]] + [self.path.stat().st_size]
+        for tensor, end in zip(ordered, ends):
+            if tensor.data_offset + tensor.n_bytes > end:
+                raise ValidationError("model", f"{self.path}: tensor {tensor.name} ({tensor.tensor_type.name}, "
+                                               f"{tensor.n_elements} weights) needs {tensor.n_bytes} bytes, but the "
+                                               f"file holds {end - tensor.data_offset} before the next tensor or its "
+                                               f"end (a size that disagrees with its type and shape)")
 
     def _string(self, key: str) -> str:
         field = self._reader.fields.get(key)

@@ -122,9 +122,11 @@ def write_gguf(path: Path, dims: TinyDims, tensors: dict[str, Tensor], architect
     writer.add_rope_dimension_count(dims.head_dim)
     writer.add_vocab_size(VOCAB_SIZE)
     _copy_tokenizer(writer)
-    for name, (type_name, data) in tensors.items():
+    for name, (type_name, data, *claimed_shape) in tensors.items():
         raw_dtype = None if type_name == "F32" else GGMLQuantizationType[type_name]
-        writer.add_tensor(name, np.ascontiguousarray(data), raw_dtype=raw_dtype)
+        # A third element: the shape the header claims, whatever `data` holds (corrupt files).
+        raw_shape = claimed_shape[0] if claimed_shape else None
+        writer.add_tensor(name, np.ascontiguousarray(data), raw_shape=raw_shape, raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -66,6 +66,15 @@ def test_tensor_shape_disagreeing_with_the_model(tmp_path, good_tensors) -> None
     assert "blk.0.attn_k.weight" in message and "shape" in message
 
 
+def test_tensor_size_disagreeing_with_its_type_and_shape(tmp_path, good_tensors) -> None:
+    """The header says 64 float32 norm weights (256 bytes) where the file holds 32 before the next
+    tensor: the reader would hand the norm the next tensor's bytes."""
+    _, norm = good_tensors["blk.0.ffn_norm.weight"]
+    tensors = dict(good_tensors, **{"blk.0.ffn_norm.weight": ("F32", norm[:32], (DIMS.hidden_size,))})
+    message = _refusal(write_gguf(tmp_path / "short-norm.gguf", DIMS, tensors))
+    assert "blk.0.ffn_norm.weight" in message and "needs 256 bytes" in message and "holds 128" in message
+
+
 def test_missing_tensor(tmp_path, good_tensors) -> None:
     tensors = {name: tensor for name, tensor in good_tensors.items() if name != "blk.1.ffn_norm.weight"}
     message = _refusal(write_gguf(tmp_path / "no-norm.gguf", DIMS, tensors))

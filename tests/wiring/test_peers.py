@@ -189,7 +189,8 @@ def test_same_file_ratios_against_llama_cpp_and_ours_at_bf16() -> None:
 
     ours = {"bf16": rates(100.0, 200.0, 10.0), "q4_k_m": rates(150.0, 260.0, 30.0)}
     llama = {"q4_k_m": rates(50.0, 130.0, 20.0)}  # bf16 not run by llama.cpp
-    ratios = same_gguf.file_ratios(ours, llama)
+    ratios = same_gguf.file_ratios(ours | {"q5_k_m": {"refused": "Q5_1 is not supported"}}, llama)
+    assert "q5_k_m" not in ratios
     assert ratios["q4_k_m"]["base_1"] == {"llama.cpp": pytest.approx(1.5), "bf16": pytest.approx(3.0)}
     assert ratios["q4_k_m"]["W"] == {"llama.cpp": pytest.approx(3.0), "bf16": pytest.approx(1.5)}
     assert ratios["bf16"]["base"] == {"bf16": pytest.approx(1.0)}

@@ -85,6 +85,12 @@ CPU_KERNEL_CONSTANTS: dict[str, int] = {
     # 1-2 MB L2 with room for the weights' column group; measured on a 2 MB L2 (128 and 512 KiB were
     # within noise; docs/benchmarks.md). Re-measure with prefill-sized batches on a CPU whose L2 differs.
     "linear_row_block_bytes": 256 * 1024,
+    # The AMX matmul's chunks of rows (kernels/csrc/amx_linear.cpp): every column block runs over one
+    # chunk, whose x takes at most this many bytes, before the next chunk starts. Larger than the
+    # register tiles' blocks: each chunk reads the weights again (from memory, past a few layers),
+    # and the tiles consume them ~3x faster. Sized for a 2 MB L2, a column block's weights (K x 32)
+    # beside the chunk.
+    "amx_linear_row_block_bytes": 1024 * 1024,
     # The portable tiles (plain loops; the LoRA op's tiles in forms without the instructions).
     "portable_tile_rows": 4,
     "portable_tile_blocks": 1,
@@ -140,15 +146,12 @@ DECODE_BUCKET_SEQS = 12
 # scores (256 x 4096 keys x 9 heads fp32 = 38 MB) while keeping each matmul large.
 PREFILL_QUERY_CHUNK = 256
 
-# CPU bf16 projections on AMX machines: batches of at most this many rows take the compiled AMX
-# matmul (kernels/csrc/amx_linear.cpp), larger ones oneDNN's prepacked matmul: the row count where the
-# two were at parity, weights out of cache as in a decode step (`python -m benchmarks.kernels --quick
-# --dtype bfloat16`; docs/benchmarks.md).
-AMX_LINEAR_MAX_ROWS = 96
-# CPU bf16 projections without AMX (kernels/csrc/linear.cpp: `vdpbf16ps` on AVX512-BF16, widened
-# to float32 on AVX-512 and AVX2) take the compiled matmul at every batch size, and no oneDNN copy
-# of the weight is kept: it was faster than oneDNN's prepacked matmul at every measured batch but the
-# LM head's single row (docs/benchmarks.md).
+# CPU bf16 projections take their form's compiled matmul at every batch size, and no oneDNN copy of
+# the weight is kept (one copy of each projection in memory). Without AMX (kernels/csrc/linear.cpp:
+# `vdpbf16ps` on AVX512-BF16, widened to float32 on AVX-512 and AVX2) it was faster than oneDNN's
+# prepacked matmul at every measured batch but the LM head's single row (docs/benchmarks.md); on AMX
+# (kernels/csrc/amx_linear.cpp, x in chunks of `amx_linear_row_block_bytes`) it ran at 0.73-1.25x
+# oneDNN's time at 128-512 rows (`python -m benchmarks.kernels --quick --dtype bfloat16`).
 
 # The AVX512-BF16 form is used only where `vdpbf16ps` does at least this share of the FLOPs per
 # second of float32 FMA (kernels/csrc/peak.cpp's probes, best of FORM_PROBE_TRIES runs of
@@ -160,8 +163,6 @@ BF16_DOT_MIN_SHARE_OF_FMA = 1.0
 FORM_PROBE_ITERATIONS = 300_000
 FORM_PROBE_TRIES = 3
 
-# Row count oneDNN's packed bf16 weight layout is tuned for: a typical decode step of the default scheduler.
-ONEDNN_PACKING_ROWS = 64
 
 # Triton LoRA tiles (kernels/lora/sgmv.py, bgmv.py). tl.dot needs every tile dimension >= 16 on GPU.
 # A shrink program covers one page of the adapter (16 rank rows, kernels/lora/layouts.PAGE_ROWS).

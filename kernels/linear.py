@@ -53,6 +53,10 @@ class PlainLinear:
     def __call__(self, x: torch.Tensor, reads: Reads = NO_READS) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight, `[len(ids), in_features]` (a tied embedding's lookup)."""
+        return F.embedding(ids, self.weight)
+
 
 @dataclass(frozen=True, slots=True)
 class PackedLinear:
@@ -73,6 +77,19 @@ class CompiledLinear:
 
     def __call__(self, x: torch.Tensor, reads: Reads = NO_READS) -> torch.Tensor:
         return linear_packed(x, self.compiled, reads)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight, `[len(ids), in_features]`, gathered from the packed layout: a tied
+        embedding's lookup reads the head's one copy (for a 128k vocabulary, 500 MB not held twice)."""
+        packed, ids = self.compiled.packed, ids.reshape(-1)
+        if self.compiled.kind == "amx":  # packed[N/32][K/32][2][16 pairs][16 columns][2]
+            n_block, half, column = ids // _AMX_BLOCK, ids % _AMX_BLOCK // 16, ids % 16
+            picked = packed[n_block, :, half, :, column, :]  # [n, K/32, 16, 2]
+        elif self.compiled.kind == "bf16":  # packed[N/16][K/2][16][2]
+            picked = packed[ids // _BLOCK_COLUMNS, :, ids % _BLOCK_COLUMNS, :]  # [n, K/2, 2]
+        else:  # f32: packed[N/16][K][16]
+            picked = packed[ids // _BLOCK_COLUMNS, :, ids % _BLOCK_COLUMNS]  # [n, K]
+        return picked.reshape(ids.shape[0], -1)
 
 
 class DequantizingLinear:

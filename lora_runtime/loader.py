@@ -12,6 +12,7 @@ import torch
 import kernels
 from lora_runtime.checkpoint import Checkpoint
 from lora_runtime.dtypes import DTYPES
+from kernels.linear import CompiledLinear
 from kernels.quantized import QuantizedWeight, quantize_q8_0
 from lora_runtime.errors import ValidationError
 from lora_runtime.layers.rotary import RotaryEmbedding
@@ -166,11 +167,14 @@ def _read_weights(reader: _TensorReader, shape: ModelShape, features: ModelFeatu
     layers = _LayerReader(reader, shape, features, backend, quantization)
     embed = reader.get("model.embed_tokens.weight", (shape.vocab_size, shape.hidden_size))
     tied = shape.tie_word_embeddings or not reader.has("lm_head.weight")
+    head = backend.linear(embed if tied else reader.get("lm_head.weight", (shape.vocab_size, shape.hidden_size)))
+    if tied and isinstance(head, CompiledLinear):
+        embed = None  # the head's packed copy is the one copy: the embedding's rows are read from it
     return ModelWeights(
         embed_tokens=embed,
         layers=[layers.layer(idx) for idx in range(shape.num_layers)],
         final_norm=layers.norm("model.norm.weight", shape.hidden_size),
-        lm_head=backend.linear(embed if tied else reader.get("lm_head.weight", (shape.vocab_size, shape.hidden_size))),
+        lm_head=head,
     )
 
 

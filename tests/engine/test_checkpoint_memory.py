@@ -13,7 +13,7 @@ import torch
 import kernels
 from lora_runtime.errors import ValidationError
 from lora_runtime.loader import load_model
-from tests.engine.factories import save_tiny_model
+from tests.engine.factories import TINY_DIMS, save_tiny_model
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -60,6 +60,24 @@ def test_each_projection_is_held_once_and_nothing_of_the_checkpoint(tmp_path, ba
                    if name.rsplit(".", 2)[-2] in PROJECTIONS)
     assert held == expected
     assert _mapped_ranges(list(tmp_path.glob("*.safetensors"))) == []
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
+def test_a_tied_embedding_is_held_once(tmp_path, backend_name: str) -> None:
+    """A tied head and the embedding are one tensor in memory: in a kernel's layout the embedding's rows
+    are read from the head (the head's packed copy once sat beside the plain embedding), and they are
+    the checkpoint's rows."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(3)
+    hf_model = AutoModelForCausalLM.from_config(LlamaConfig(**{**TINY_DIMS, "vocab_size": 128}, tie_word_embeddings=True))
+    hf_model.save_pretrained(tmp_path, safe_serialization=True)
+    weights = load_model(tmp_path, "bfloat16", "cpu", kernels.backend_for("cpu", backend_name)).weights
+    tensors = {t.data_ptr(): t for t in _held_tensors(weights.lm_head) + [weights.embed_tokens] if t is not None}
+    assert _bytes(list(tensors.values())) == 128 * TINY_DIMS["hidden_size"] * 2
+    ids = torch.tensor([5, 127, 0, 5, 64])
+    expected = hf_model.model.embed_tokens.weight.detach()[ids].to(torch.bfloat16)
+    assert torch.equal(weights.lm_head.rows(ids), expected)
 
 
 def test_a_large_batch_computes_from_the_one_copy(tmp_path) -> None:

@@ -235,3 +235,13 @@ def test_a_projection_is_held_once_and_serves_any_batch(cpu_backend, dtype: torc
         x = _randn(rows, 64, seed=1).to(dtype)
         expected = (x.float() @ weight.float().T).to(dtype)
         torch.testing.assert_close(linear(x), expected, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-2)
+
+
+@kinds
+def test_rows_of_a_packed_weight_are_the_weights_rows(kind_in_form: str) -> None:
+    """A tied embedding's lookup reads the head's packed copy: rows gathered from each kernel's layout
+    are the weight's rows, bit for bit, in any order and repeated."""
+    dtype = KIND_DTYPES[kind_in_form]
+    weight = _randn(96, 64, seed=7, dtype=dtype)
+    ids = torch.tensor([0, 95, 17, 31, 32, 17, 48])
+    assert torch.equal(CompiledLinear(pack_linear_weight(weight, kind_in_form)).rows(ids), weight[ids])

@@ -1,11 +1,12 @@
-// y = x @ W.T for decode-sized batches, in bf16 with float32 accumulation, on Intel AMX tiles.
+// y = x @ W.T at every batch size, in bf16 with float32 accumulation, on Intel AMX tiles.
 //
 // Why not oneDNN: for 64 rows its prepacked bf16 matmul ran the SmolLM2 projections at ~300 GFLOP/s
 // whether the weights were in cache or not, a third of what the same library reaches at 2048 rows;
 // a decode step was bound by that, not by reading the weights. This kernel keeps the tile unit busy
 // at small row counts by loading the next k-step's tiles as soon as the tiles they replace are
 // consumed, and keeps memory busy by fetching the next column block's weights while it computes
-// (figures in kernels/tuning.py).
+// (figures in kernels/tuning.py). It serves prefill-sized batches too (x in chunks that stay in L2),
+// so that each projection is held once, in this layout, not also in oneDNN's.
 //
 // Layout: W [N, K] is packed once (kernels.linear.pack_linear_weight) into blocks of 32 output
 // columns; each block runs over K in steps of 32 and holds two 16-column B tiles per step in the

@@ -189,12 +189,13 @@ class Engine:
         return engine_stats(activity, self.kv_cache, self.scheduler.num_preemptions, self.adapters)
 
     def _kv_identity(self, request: Request) -> bytes:
-        """The root of the request's KV block chain: its cache scope, its adapter's key and the load
-        its weights came from (the scheduler asks once the adapter is loaded)."""
+        """The root of the request's KV block chain: its cache scope, its rotation, its adapter's key and
+        the load its weights came from (the scheduler asks once the adapter is loaded)."""
         lease = self._leases.get(request.request_id)
         load_serial = lease.load.result().load_serial if lease is not None else None
         return kv_identity(request.adapter_key, load_serial, request.cache_scope,
-                           self.config.kv_cache.share_base_prefix_cache)
+                           self.config.kv_cache.share_base_prefix_cache,
+                           self.model.rope_variant(request.num_prompt_tokens))
 
     def _chat_template(self, params: SamplingParams, lease: Lease | None) -> str | None:
         """The adapter's own chat template for apply_chat_template: this waits for the adapter to

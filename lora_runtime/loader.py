@@ -15,7 +15,6 @@ from lora_runtime.dtypes import DTYPES
 from kernels.linear import CompiledLinear
 from kernels.quantized import QuantizedWeight, quantize_q8_0
 from lora_runtime.errors import ValidationError
-from lora_runtime.layers.rotary import RotaryEmbedding
 from lora_runtime.models.architectures import (
     ModelFeatures,
     ModelShape,
@@ -23,7 +22,7 @@ from lora_runtime.models.architectures import (
     model_shape_from_config,
 )
 from lora_runtime.models.llama import LayerWeights, LlamaModel, ModelWeights
-from lora_runtime.models.rope import rope_frequencies
+from lora_runtime.models.rope import rotary_tables
 
 LOG = logging.getLogger(__name__)
 
@@ -157,7 +156,7 @@ def load_model(model_dir: Path, dtype: str, device: str, backend: kernels.Backen
     LOG.info("loaded %s: %d tensors, %.2f GiB from %d file(s) in %.1f s", model_dir.name, len(checkpoint.entries),
              sum(entry.num_bytes for entry in checkpoint.entries.values()) / 2**30, len(checkpoint.files),
              time.perf_counter() - started)
-    rotary = {key: _rotary(config, shape, key, torch_dtype, device) for key in set(features.layer_rope) - {None}}
+    rotary = rotary_tables(config, features.layer_rope, shape.head_dim, shape.max_model_len, torch_dtype, device)
     return LlamaModel(shape, weights, rotary, backend, features)
 
 
@@ -176,8 +175,3 @@ def _read_weights(reader: _TensorReader, shape: ModelShape, features: ModelFeatu
         final_norm=layers.norm("model.norm.weight", shape.hidden_size),
         lm_head=head,
     )
-
-
-def _rotary(config, shape: ModelShape, key: str, dtype: torch.dtype, device: str) -> RotaryEmbedding:
-    inv_freq, attention_scaling = rope_frequencies(config, shape.head_dim, None if key == "default" else key)
-    return RotaryEmbedding(inv_freq, shape.max_model_len, attention_scaling, dtype, device)

@@ -65,6 +65,7 @@ class ModelRunner:
             slot_mapping=self._tensor(step.slots),
             attention=self.model.backend.plan_attention(sequences),
             logits_indices=self._tensor(step.logits_indices),
+            prompt_lens=self._tensor(step.prompt_lens),
             lora=self._lora(output),
         )
         return batch, LogitsRows(tuple(step.sample_requests), tuple(step.sample_rows), tuple(step.prompt_rows))
@@ -95,6 +96,7 @@ class _StepInputs:
         self.block_size = block_size
         self.input_ids: list[int] = []
         self.positions: list[int] = []
+        self.prompt_lens: list[int] = []
         self.slots: list[int] = []
         self.query_start = [0]
         self.seq_lens: list[int] = []
@@ -109,6 +111,7 @@ class _StepInputs:
         first_token = len(self.input_ids)
         self.input_ids.extend(request.all_token_ids[start : start + count])
         self.positions.extend(range(start, start + count))
+        self.prompt_lens.extend([request.num_prompt_tokens] * count)
         size = self.block_size
         self.slots.extend(table[p // size] * size + p % size for p in range(start, start + count))
         self.query_start.append(len(self.input_ids))

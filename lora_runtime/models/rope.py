@@ -1,14 +1,33 @@
 """The rotary tables a config asks for: one per kind of layer (Gemma 3's sliding layers have their
-own base), read before any weight so that a variant we do not serve is refused by name first."""
+own base), read before any weight so that a variant we do not serve is refused by name first.
+
+Every variant HF transformers (5.23) defines, and what we do with it:
+- default, linear, yarn, llama3: fixed frequencies, transformers' own initialisers.
+- dynamic (NTK): HF recomputes its frequencies only for sequences past `max_position_embeddings`,
+  which is our `max_model_len`; within it they are its initial ones, which we use.
+- longrope (Phi-3-mini-128k, Phi-3.5, Phi-4-mini): two sets of frequencies. HF chooses per forward,
+  the long set iff max(position) + 1 > `original_max_position_embeddings`, and caches the keys it
+  rotated. Run alone by `generate`, a prompt of L tokens is thus rotated all with one set (long iff
+  L > original), the decode token at position p with the long one iff p + 1 > original, and keys
+  already cached keep the rotation they had. We do the same per token, a paged cache storing rotated
+  keys as HF's does: position p of a request with an L-token prompt takes the long set iff
+  max(p + 1, L) > original (`RotaryEmbedding.rows`), recomputed after a preemption alike; a prefix
+  cached by a request of the other side of the threshold is not shared (`rope_variant`). In a padded
+  HF batch every row takes the set of the batch's longest row; we match each request as HF runs it
+  alone. A full forward over a whole generated sequence longer than the original (long set for
+  every token) differs from that generation's own cached steps where its prompt was short.
+- proportional (Gemma 4, LFM), axial (vision): refused by name.
+`partial_rotary_factor` (Phi-3/4: the first fraction of each head rotated) is honoured in families
+whose HF code rotates part of a head (`ArchitectureSpec.partial_rotary`), refused in the others.
+"""
 from __future__ import annotations
 
 import torch
 
 from lora_runtime.errors import ValidationError
+from lora_runtime.layers.rotary import LongFactors, RotaryEmbedding
 
-# Variants whose frequencies are fixed at load. "dynamic" and "longrope" change the frequencies with
-# the sequence's length while it runs, which keys already in the cache would not follow.
-STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 
 
 def rope_parameters(config, layer_type: str | None) -> dict:
@@ -20,37 +39,69 @@ def rope_parameters(config, layer_type: str | None) -> dict:
     return params
 
 
-def check_rope(config, layer_type: str | None) -> None:
-    """Refuse, by name, a RoPE variant or a partial rotation our rotary kernels do not compute."""
+def partial_rotary_factor(config, layer_type: str | None) -> float:
     params = rope_parameters(config, layer_type)
-    rope_type = params.get("rope_type", "default")
-    if rope_type not in STATIC_ROPE_TYPES:
+    factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    return 1.0 if factor is None else float(factor)
+
+
+def check_rope(config, layer_type: str | None, allows_partial: bool) -> None:
+    """Refuse, by name, a RoPE variant we do not compute, or a partial rotation in a family whose HF
+    code rotates whole heads."""
+    rope_type = rope_parameters(config, layer_type).get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValidationError("model", f"rope scaling type {rope_type!r} is not supported; supported: "
-                                       f"{list(STATIC_ROPE_TYPES)}")
-    factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-    if factor not in (None, 1.0):
-        raise ValidationError("model", f"partial_rotary_factor {factor} is not supported "
-                                       "(rotary over the whole head only)")
+                                       f"{list(SUPPORTED_ROPE_TYPES)}")
+    factor = partial_rotary_factor(config, layer_type)
+    if factor != 1.0 and not allows_partial:
+        raise ValidationError("model", f"partial_rotary_factor {factor} is not supported for "
+                                       f"{config.model_type!r} (its heads are rotated whole)")
 
 
-def rope_frequencies(config, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies `[head_dim / 2]` and the attention scaling of the config's RoPE variant
-    (for `layer_type` where the config has one set per kind of layer).
+def rotary_tables(config, layer_rope: tuple[str | None, ...], head_dim: int, max_positions: int,
+                  dtype: torch.dtype, device: str) -> dict[str, RotaryEmbedding]:
+    """The tables of a model by the keys of `ModelFeatures.layer_rope` ("default": the config's only
+    RoPE parameters; else a layer type's own)."""
+    return {key: rotary_embedding(config, head_dim, None if key == "default" else key, max_positions, dtype, device)
+            for key in set(layer_rope) - {None}}
 
-    The plain variant is computed here; scaled variants (llama3, yarn, ...) are parameterised in many
-    ways, so their frequencies come from transformers' own table of initialisers.
-    """
-    check_rope(config, layer_type)
+
+def rotary_embedding(config, head_dim: int, layer_type: str | None, max_positions: int, dtype: torch.dtype,
+                     device: str) -> RotaryEmbedding:
+    """The cos/sin tables of the config's RoPE variant (for `layer_type` where the config sets one per
+    kind of layer), over the first `head_dim * partial_rotary_factor` dimensions of each head."""
     params = rope_parameters(config, layer_type)
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
-        return 1.0 / (theta**exponents), 1.0
+        rotary_dim = int(head_dim * partial_rotary_factor(config, layer_type))
+        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim
+        return RotaryEmbedding(1.0 / (theta**exponents), max_positions, 1.0, dtype, device)
+    inv_freq, scaling = _initialise(config, rope_type, layer_type)
+    long_factors = None
+    if rope_type == "longrope":
+        original = int(params["original_max_position_embeddings"])
+        long_inv_freq, _ = _initialise(config, rope_type, layer_type, seq_len=original + 1)
+        long_factors = LongFactors(long_inv_freq, original)
+    return RotaryEmbedding(inv_freq, max_positions, scaling, dtype, device, long_factors)
+
+
+def _initialise(config, rope_type: str, layer_type: str | None, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies `[rotary_dim / 2]` and attention scaling from transformers' own table of
+    initialisers (the scaled variants are parameterised in many ways; theirs is the definition)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     by_type = getattr(config, "rope_parameters", None) or {}
     keyed = layer_type is not None and isinstance(by_type.get(layer_type), dict)
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"),
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), seq_len=seq_len,
                                                        layer_type=layer_type if keyed else None)
     return inv_freq, float(scaling)
+
+
+def rope_variant(rotary: dict[str, RotaryEmbedding], num_prompt_tokens: int) -> str | None:
+    """What a request's cached keys depend on beyond its tokens: "long" where LongRoPE rotates its
+    whole prompt with the long set, so that its blocks and a shorter prompt's are never shared."""
+    for table in rotary.values():
+        if table.long_factors is not None and num_prompt_tokens > table.long_factors.original_max_positions:
+            return "long"
+    return None

@@ -1,7 +1,7 @@
 """Memory of loading a checkpoint: this process's RSS before `load_model`, after it and at its peak
 (VmHWM), against the bytes the model's tensors hold, on a random-weight model of Llama-3.2-1B's shape
-(built once by `benchmarks.random_model`, cut to `--layers` layers; 2 by default: the shape of every
-layer is the full model's) or on `--model DIR`, with the CPU backend, in bf16, one thread.
+(built once by `benchmarks.random_model`, cut to `--layers` layers in a directory of its own as
+`benchmarks.threads` cuts it; 2 by default: the shape of every layer is the full model's) or on `--model DIR`, with the CPU backend, in bf16, one thread.
 
     python -m benchmarks.load_memory [--layers 2] [--model DIR]
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 import kernels
-from benchmarks.random_model import ensure_random_llama
+from benchmarks.threads import random_llama
 from lora_runtime.loader import load_model
 
 LOG = logging.getLogger("benchmarks.load_memory")
@@ -69,8 +69,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(1)
-    model_dir = args.model or ensure_random_llama(
-        Path("/tmp") / f"random-llama-3.2-1b-shape-{args.layers}-layers", num_hidden_layers=args.layers)
+    model_dir = args.model or random_llama(args.layers)
     from transformers import AutoConfig  # load_model's import: the library's memory, not the load's
 
     AutoConfig.from_pretrained(model_dir)

@@ -53,10 +53,6 @@ class PlainLinear:
     def __call__(self, x: torch.Tensor, reads: Reads = NO_READS) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of the weight, `[len(ids), in_features]` (a tied embedding's lookup)."""
-        return F.embedding(ids, self.weight)
-
 
 @dataclass(frozen=True, slots=True)
 class PackedLinear:

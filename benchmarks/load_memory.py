@@ -40,15 +40,16 @@ def _status_mib(key: str) -> float:
 
 
 def held_bytes(obj: object, seen: set[int] | None = None, depth: int = 0) -> int:
-    """Bytes of the tensors reachable from `obj` through lists, dicts and slotted or plain attributes,
-    each storage once (oneDNN's opaque tensors by their elements)."""
+    """Bytes of the elements of the tensors reachable from `obj` through lists, dicts and slotted or
+    plain attributes, each tensor once (not their storages': a packed weight's mapping has up to a huge
+    page of alignment beside it that is never touched)."""
     seen = set() if seen is None else seen
     if isinstance(obj, torch.Tensor):
-        key = id(obj) if obj.is_mkldnn else obj.untyped_storage().data_ptr()
+        key = id(obj) if obj.is_mkldnn else obj.data_ptr()
         if key in seen:
             return 0
         seen.add(key)
-        return obj.numel() * obj.element_size() if obj.is_mkldnn else obj.untyped_storage().nbytes()
+        return obj.numel() * obj.element_size()
     if depth > 8 or obj is None or isinstance(obj, (str, bytes, int, float, bool, torch.dtype, torch.device,
                                                     types.ModuleType)):
         return 0

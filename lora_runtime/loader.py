@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 import kernels
-from lora_runtime.checkpoint import Checkpoint
+from lora_runtime.checkpoint import Checkpoint, empty_buffer
 from lora_runtime.dtypes import DTYPES
 from kernels.linear import CompiledLinear
 from kernels.quantized import QuantizedWeight, quantize_q8_0
@@ -40,13 +40,13 @@ class _TensorReader:
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
         """The tensor `name`, which must have `shape`, in `dtype` (the model's by default)."""
-        out = torch.empty(shape, dtype=dtype or self.dtype)
+        out = empty_buffer(shape, dtype or self.dtype)
         self._read_into(name, out)
         return out.to(self.device)
 
     def fused(self, names: list[str], shapes: list[tuple[int, ...]]) -> torch.Tensor:
         """The tensors concatenated along dim 0, each read into its rows (no copy of the whole)."""
-        out = torch.empty((sum(shape[0] for shape in shapes), *shapes[0][1:]), dtype=self.dtype)
+        out = empty_buffer((sum(shape[0] for shape in shapes), *shapes[0][1:]), self.dtype)
         first = 0
         for name, shape in zip(names, shapes):
             self._read_into(name, out[first:first + shape[0]])

@@ -15,13 +15,13 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels.huge_pages import empty_on_huge_pages
+from kernels.huge_pages import zeros_on_huge_pages
 from kernels.linear import NO_READS, LinearWeight, Reads
 from kernels.reference import split_qkv
 from lora_runtime.forward_batch import ForwardBatch
 from lora_runtime.layers.rotary import RotaryEmbedding
 from lora_runtime.models.architectures import ModelFeatures, ModelShape
-from lora_runtime.models.rope import rope_variant
+from lora_runtime.models.rope import recompute_length, rope_variant
 
 
 @dataclass(slots=True)
@@ -58,8 +58,8 @@ class KVCacheTensors:
     @classmethod
     def allocate(cls, shape: ModelShape, num_blocks: int, block_size: int, dtype: torch.dtype, device: str) -> KVCacheTensors:
         # One allocation, so that only its end is rounded up to a whole huge page.
-        both = empty_on_huge_pages((2, shape.num_layers, num_blocks, block_size, shape.num_kv_heads, shape.head_dim),
-                                   dtype, device).zero_()
+        both = zeros_on_huge_pages((2, shape.num_layers, num_blocks, block_size, shape.num_kv_heads, shape.head_dim),
+                                   dtype, device)
         return cls(key=list(both[0].unbind()), value=list(both[1].unbind()))
 
 
@@ -86,9 +86,15 @@ class LlamaModel:
             return self.weights.lm_head.rows(input_ids)
         return F.embedding(input_ids, self.weights.embed_tokens)
 
-    def rope_variant(self, num_prompt_tokens: int) -> str | None:
-        """What a request's cached keys depend on beyond its tokens and adapter (`models.rope`)."""
-        return rope_variant(self.rotary, num_prompt_tokens)
+    def rope_variant(self, num_tokens: int) -> str | None:
+        """What the cached keys of a request of `num_tokens` tokens depend on beyond its tokens and
+        adapter (`models.rope`)."""
+        return rope_variant(self.rotary, num_tokens)
+
+    @property
+    def recompute_length(self) -> int | None:
+        """A request growing past this many tokens recomputes its whole cache (`models.rope`)."""
+        return recompute_length(self.rotary)
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCacheTensors) -> torch.Tensor:
         """Run one step; returns logits `[num_logit_rows, vocab]` for `batch.logits_indices`, in the
@@ -103,7 +109,7 @@ class LlamaModel:
         if self.features.embedding_scale != 1.0:
             residual = residual * self.embedding_scale
         x = self._norm(residual, layers[0].attention_in_norm) if layers[0].attention_in_norm is not None else residual
-        rotary_rows = {key: rotary.rows(batch.positions, batch.prompt_lens) for key, rotary in self.rotary.items()}
+        rotary_rows = {key: rotary.rows(batch.positions, batch.request_lens) for key, rotary in self.rotary.items()}
         for layer_idx, layer in enumerate(layers):
             attended = self._attention(layer_idx, layer, x, batch, kv_cache, rotary_rows)
             attended = self._sublayer_out(attended, layer.attention_out_norm)

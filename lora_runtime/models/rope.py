@@ -5,17 +5,19 @@ Every variant HF transformers (5.23) defines, and what we do with it:
 - default, linear, yarn, llama3: fixed frequencies, transformers' own initialisers.
 - dynamic (NTK): HF recomputes its frequencies only for sequences past `max_position_embeddings`,
   which is our `max_model_len`; within it they are its initial ones, which we use.
-- longrope (Phi-3-mini-128k, Phi-3.5, Phi-4-mini): two sets of frequencies. HF chooses per forward,
-  the long set iff max(position) + 1 > `original_max_position_embeddings`, and caches the keys it
-  rotated. Run alone by `generate`, a prompt of L tokens is thus rotated all with one set (long iff
-  L > original), the decode token at position p with the long one iff p + 1 > original, and keys
-  already cached keep the rotation they had. We do the same per token, a paged cache storing rotated
-  keys as HF's does: position p of a request with an L-token prompt takes the long set iff
-  max(p + 1, L) > original (`RotaryEmbedding.rows`), recomputed after a preemption alike; a prefix
-  cached by a request of the other side of the threshold is not shared (`rope_variant`). In a padded
-  HF batch every row takes the set of the batch's longest row; we match each request as HF runs it
-  alone. A full forward over a whole generated sequence longer than the original (long set for
-  every token) differs from that generation's own cached steps where its prompt was short.
+- longrope (Phi-3-mini-128k, Phi-3.5, Phi-4-mini): two sets of frequencies. HF's forward takes the
+  long set iff max(position) + 1 > `original_max_position_embeddings` (the forward's length), and
+  Phi-3's `generate` recomputes its whole cache at the step where the sequence grows past that
+  length (its `prepare_inputs_for_generation`), so at every step its logits are one forward over the
+  whole sequence so far: short set for every token while the request has at most `original` tokens,
+  long set for every token after. We do the same: each token takes the long set iff its request's
+  length (prompt and generated tokens so far) is past `original` (`RotaryEmbedding.rows`), and a
+  request growing past it recomputes its cache from its first token (`recompute_length`, the
+  scheduler's restart), its prefix blocks then chained apart from short requests' (`rope_variant`).
+  Prompt logprobs stay those of the first prefill, as HF's. (A padded HF batch would take the set of
+  its longest row for all rows; we match each request as HF runs it alone.) Served only for families
+  whose HF `generate` recomputes so (`ArchitectureSpec.longrope`): elsewhere HF's cached keys would
+  keep the short set, which a recompute would not reproduce.
 - proportional (Gemma 4, LFM), axial (vision): refused by name.
 `partial_rotary_factor` (Phi-3/4: the first fraction of each head rotated) is honoured in families
 whose HF code rotates part of a head (`ArchitectureSpec.partial_rotary`), refused in the others.
@@ -45,13 +47,15 @@ def partial_rotary_factor(config, layer_type: str | None) -> float:
     return 1.0 if factor is None else float(factor)
 
 
-def check_rope(config, layer_type: str | None, allows_partial: bool) -> None:
-    """Refuse, by name, a RoPE variant we do not compute, or a partial rotation in a family whose HF
-    code rotates whole heads."""
+def check_rope(config, layer_type: str | None, allows_partial: bool, allows_longrope: bool) -> None:
+    """Refuse, by name, a RoPE variant we do not compute (LongRoPE outside the families whose HF
+    `generate` recomputes at its switch), or a partial rotation in a family whose HF code rotates
+    whole heads."""
     rope_type = rope_parameters(config, layer_type).get("rope_type", "default")
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValidationError("model", f"rope scaling type {rope_type!r} is not supported; supported: "
-                                       f"{list(SUPPORTED_ROPE_TYPES)}")
+    supported = [t for t in SUPPORTED_ROPE_TYPES if allows_longrope or t != "longrope"]
+    if rope_type not in supported:
+        raise ValidationError("model", f"rope scaling type {rope_type!r} is not supported for "
+                                       f"{config.model_type!r}; supported: {supported}")
     factor = partial_rotary_factor(config, layer_type)
     if factor != 1.0 and not allows_partial:
         raise ValidationError("model", f"partial_rotary_factor {factor} is not supported for "
@@ -77,6 +81,8 @@ def rotary_embedding(config, head_dim: int, layer_type: str | None, max_position
         rotary_dim = int(head_dim * partial_rotary_factor(config, layer_type))
         exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim
         return RotaryEmbedding(1.0 / (theta**exponents), max_positions, 1.0, dtype, device)
+    # HF's dynamic NTK keeps its initial frequencies up to max_position_embeddings only.
+    assert rope_type != "dynamic" or max_positions <= config.max_position_embeddings, "dynamic NTK past its length"
     inv_freq, scaling = _initialise(config, rope_type, layer_type)
     long_factors = None
     if rope_type == "longrope":
@@ -98,10 +104,16 @@ def _initialise(config, rope_type: str, layer_type: str | None, seq_len: int | N
     return inv_freq, float(scaling)
 
 
-def rope_variant(rotary: dict[str, RotaryEmbedding], num_prompt_tokens: int) -> str | None:
-    """What a request's cached keys depend on beyond its tokens: "long" where LongRoPE rotates its
-    whole prompt with the long set, so that its blocks and a shorter prompt's are never shared."""
-    for table in rotary.values():
-        if table.long_factors is not None and num_prompt_tokens > table.long_factors.original_max_positions:
-            return "long"
-    return None
+def recompute_length(rotary: dict[str, RotaryEmbedding]) -> int | None:
+    """The length past which a request's cache is recomputed: LongRoPE's `original`; None without it."""
+    lengths = {table.long_factors.original_max_positions for table in rotary.values() if table.long_factors}
+    assert len(lengths) <= 1, "one LongRoPE switch per model"
+    return lengths.pop() if lengths else None
+
+
+def rope_variant(rotary: dict[str, RotaryEmbedding], num_tokens: int) -> str | None:
+    """What the cached keys of a request of `num_tokens` tokens depend on beyond its tokens: "long"
+    where LongRoPE rotates them all with its long set, so that its blocks and a shorter request's are
+    never shared."""
+    length = recompute_length(rotary)
+    return "long" if length is not None and num_tokens > length else None

@@ -1,14 +1,13 @@
-"""Every RoPE variant we serve against HF transformers' own generation (float32, atol 1e-4): LongRoPE
+"""Every RoPE variant we serve against HF transformers' own `generate` (float32, atol 1e-4): LongRoPE
 with partial rotary (Phi-3/4's configs: short and long factors, `original_max_position_embeddings`
-32, the first 0.75 of each head rotated) and Llama with each scaled variant, prompts under and over
-the pretraining length and generations across it, prefilled in chunks, in one batch over a paged
-cache, on each CPU backend; with a PEFT adapter on Phi-3's fused modules; and the prefix cache, which
-keeps a long prompt's LongRoPE blocks apart from a short one's.
+32, the first 0.75 of each head rotated) and Llama with each other scaled variant, prompts under and
+over the pretraining length and generations across it, prefilled in chunks, in one batch over a
+paged cache, on each CPU backend; recomputed after a preemption; with a PEFT adapter on Phi-3's fused
+modules; and the prefix cache, which keeps a long request's LongRoPE blocks apart from a short one's.
 
-The oracle is HF's cached generation (a prefill forward, then one forward per token over its
-DynamicCache), as `generate` runs it: LongRoPE's factors are chosen per forward, so a request whose
-generation crosses the pretraining length keeps its prompt's keys rotated with the short factors,
-which a single forward over the whole sequence would not (checked below: the two differ)."""
+HF's Phi-3 `generate` recomputes its cache at the step where a sequence grows past the pretraining
+length (short factors before, long after, for every token); so do we, and the tests check that this
+differs from keeping the cache (`cached_forward_logits`)."""
 from __future__ import annotations
 
 import pytest
@@ -34,13 +33,14 @@ ORIGINAL = 32  # the pretraining length of the LongRoPE configs: prompts and gen
 LLAMA_ORIGINAL = 16
 
 
-def phi3_longrope() -> Phi3Config:
-    """Phi-3-mini-128k's / Phi-4-mini's RoPE on a tiny model: 16-wide heads, 12 dims rotated."""
+def phi3_longrope(scaled: bool = True) -> Phi3Config:
+    """Phi-3-mini-128k's / Phi-4-mini's RoPE on a tiny model: 16-wide heads, 12 dims rotated (without
+    `scaled`: the plain RoPE over those 12)."""
+    scaling = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+               "long_factor": [1.5, 2.0, 3.0, 5.0, 8.0, 12.0]}
     return Phi3Config(**{**TINY_DIMS, "max_position_embeddings": 128}, partial_rotary_factor=0.75,
                       original_max_position_embeddings=ORIGINAL, tie_word_embeddings=False, pad_token_id=0,
-                      bos_token_id=1, eos_token_id=2,
-                      rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
-                                    "long_factor": [1.5, 2.0, 3.0, 5.0, 8.0, 12.0]})
+                      bos_token_id=1, eos_token_id=2, rope_scaling=scaling if scaled else None)
 
 
 LLAMA_ROPE = {
@@ -49,9 +49,6 @@ LLAMA_ROPE = {
     "yarn": {"factor": 4.0, "original_max_position_embeddings": LLAMA_ORIGINAL},
     "llama3": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": LLAMA_ORIGINAL},
-    "longrope": {"short_factor": [1.0, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0],
-                 "long_factor": [2.0, 3.0, 4.0, 6.0, 8.0, 10.0, 12.0, 16.0],
-                 "original_max_position_embeddings": LLAMA_ORIGINAL},
 }
 
 
@@ -60,9 +57,21 @@ def llama_with_rope(rope_type: str) -> LlamaConfig:
                        rope_parameters={"rope_type": rope_type, "rope_theta": 10000.0, **LLAMA_ROPE[rope_type]})
 
 
-def hf_generation_logits(model, token_ids: list[int], num_prompt_tokens: int) -> torch.Tensor:
-    """Logits `[len(token_ids), vocab]` as HF's `generate` computes them: the prompt in one forward,
-    then each later token alone over the cache."""
+def hf_generate(model, prompt: list[int], num_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """HF's greedy `generate` of `prompt` alone (EOS off): its tokens, and its logits `[len(prompt) - 1
+    + num_new_tokens, vocab]`, the prompt's from the prefill forward, then each step's."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.generation_config.eos_token_id = None
+    with torch.no_grad():
+        prefill = model(input_ids=torch.tensor([prompt])).logits[0]
+        out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=num_new_tokens, do_sample=False,
+                             pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, len(prompt):].tolist(), torch.cat([prefill[:-1], torch.cat(out.logits)])
+
+
+def cached_forward_logits(model, token_ids: list[int], num_prompt_tokens: int) -> torch.Tensor:
+    """Logits `[len(token_ids), vocab]` of the prompt in one forward, then each later token alone over
+    the cache, which is never recomputed: what a paged cache that kept its keys would give."""
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         rows = [model(torch.tensor([token_ids[:num_prompt_tokens]]), past_key_values=cache, use_cache=True).logits[0]]
@@ -71,26 +80,21 @@ def hf_generation_logits(model, token_ids: list[int], num_prompt_tokens: int) ->
     return torch.cat(rows)
 
 
-def hf_greedy(model, prompt: list[int], num_new_tokens: int) -> list[int]:
-    model.generation_config.eos_token_id = None
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=num_new_tokens, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
-def _serve(model_dir, backend: str, prompts: list[list[int]], num_new_tokens: int):
-    """Our greedy generation of every prompt together, in chunks of at most 16 tokens a step; returns
-    the requests and our logits row at each position of each (prompt rows and sampled rows)."""
+def _serve(model_dir, backend: str, prompts: list[list[int]], num_new_tokens: int, num_blocks: int = 64):
+    """Our greedy generation of every prompt together, in chunks of at most 16 tokens a step, over
+    `num_blocks` blocks of 4 tokens; returns the requests, our logits row at each position of each
+    (prompt rows and sampled rows; the last computed where a preemption recomputed one), and the
+    scheduler."""
     model = load_model(model_dir, "float32", "cpu", kernels.backend_for("cpu", backend))
-    kv = KVCacheManager(num_blocks=64, block_size_tokens=4)
-    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=16), kv)
-    runner = ModelRunner(model, kv, 64, "cpu")
-    params = SamplingParams(max_new_tokens=num_new_tokens + 4, decoder_input_details=True)
+    kv = KVCacheManager(num_blocks=num_blocks, block_size_tokens=4)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=16), kv, recompute_length=model.recompute_length)
+    runner = ModelRunner(model, kv, num_blocks, "cpu")
+    params = SamplingParams(max_new_tokens=num_new_tokens, decoder_input_details=True)
     requests = [Request(f"r{i}", prompt, params) for i, prompt in enumerate(prompts)]
     for request in requests:
         scheduler.add_request(request)
     rows: dict[str, dict[int, torch.Tensor]] = {r.request_id: {} for r in requests}
-    while min(len(r.output_token_ids) for r in requests) < num_new_tokens:
+    while scheduler.num_unfinished:
         output = scheduler.schedule()
         result = runner.execute(output)
         scheduler.update_after_step(output)
@@ -100,18 +104,19 @@ def _serve(model_dir, backend: str, prompts: list[list[int]], num_new_tokens: in
         for request, row in zip(result.rows.sample_requests, result.rows.sample_rows):
             rows[request.request_id][request.num_tokens - 1] = result.logits[row]
             request.output_token_ids.append(int(result.logits[row].argmax()))
-    return requests, rows
+            if len(request.output_token_ids) == num_new_tokens:
+                scheduler.finish(request)
+    return requests, rows, scheduler
 
 
 def _assert_matches_hf_generation(hf_model, requests, rows, num_new_tokens: int) -> None:
     for request in requests:
-        expected = hf_generation_logits(hf_model, request.all_token_ids, request.num_prompt_tokens)
+        tokens, expected = hf_generate(hf_model, request.prompt_token_ids, num_new_tokens)
+        assert request.output_token_ids == tokens
         positions = sorted(rows[request.request_id])
         assert positions == list(range(request.num_tokens - 1))
         ours = torch.stack([rows[request.request_id][p] for p in positions])
-        torch.testing.assert_close(ours, expected[: len(positions)], atol=ATOL, rtol=0)
-        assert request.output_token_ids[:num_new_tokens] == hf_greedy(hf_model, request.prompt_token_ids,
-                                                                      num_new_tokens)
+        torch.testing.assert_close(ours, expected, atol=ATOL, rtol=0)
 
 
 def _prompts(lengths: tuple[int, ...], seed: int) -> list[list[int]]:
@@ -121,28 +126,43 @@ def _prompts(lengths: tuple[int, ...], seed: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_phi3_longrope_with_partial_rotary_matches_hf_generation(tmp_path, backend: str) -> None:
-    """Prompts of 40 (over 32: long factors throughout, prefilled in 3 chunks), 20 and 31 (short, their
-    generations crossing 32, switching to the long factors there as HF does) and 5 (short throughout),
-    in one batch."""
+    """Prompts of 40 and 33 (over 32: long factors throughout, prefilled in chunks), 20, 31 and 32
+    (short, their generations crossing 32, where their caches are recomputed with the long factors)
+    and 5 (short throughout), in one batch."""
     hf_model = save_random_model(phi3_longrope(), tmp_path)
-    requests, rows = _serve(tmp_path, backend, _prompts((40, 20, 31, 5), seed=4), num_new_tokens=14)
+    requests, rows, _ = _serve(tmp_path, backend, _prompts((40, 20, 31, 32, 33, 5), seed=4), num_new_tokens=14)
     _assert_matches_hf_generation(hf_model, requests, rows, 14)
     crossing = requests[1]
-    assert crossing.num_tokens - 1 > ORIGINAL
-    with torch.no_grad():  # one forward over the whole sequence rotates it all long: not what generate does
-        whole = hf_model(torch.tensor([crossing.all_token_ids])).logits[0]
-    generated = hf_generation_logits(hf_model, crossing.all_token_ids, crossing.num_prompt_tokens)
-    assert (whole[ORIGINAL:] - generated[ORIGINAL:]).abs().max() > 10 * ATOL
+    kept = cached_forward_logits(hf_model, crossing.all_token_ids, crossing.num_prompt_tokens)
+    ours = torch.stack([rows[crossing.request_id][p] for p in range(ORIGINAL, crossing.num_tokens - 1)])
+    assert (ours - kept[ORIGINAL : crossing.num_tokens - 1]).abs().max() > 10 * ATOL  # the recompute matters
 
 
 @pytest.mark.parametrize("rope_type", sorted(LLAMA_ROPE))
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_each_scaled_rope_variant_matches_hf_generation(tmp_path, rope_type: str, backend: str) -> None:
-    """Llama with each scaled variant (pretraining length 16 where the variant has one): prompts of 24
-    and 9, 10 tokens generated (the second crossing 16), in one batch."""
+    """Llama with each other scaled variant (pretraining length 16 where the variant has one): prompts
+    of 24 and 9, 10 tokens generated (the second crossing 16), in one batch."""
     hf_model = save_random_model(llama_with_rope(rope_type), tmp_path)
-    requests, rows = _serve(tmp_path, backend, _prompts((24, 9), seed=6), num_new_tokens=10)
+    requests, rows, _ = _serve(tmp_path, backend, _prompts((24, 9), seed=6), num_new_tokens=10)
     _assert_matches_hf_generation(hf_model, requests, rows, 10)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_phi3_partial_rotary_without_scaling_matches_hf_generation(tmp_path, backend: str) -> None:
+    hf_model = save_random_model(phi3_longrope(scaled=False), tmp_path)
+    requests, rows, _ = _serve(tmp_path, backend, _prompts((19, 6), seed=5), num_new_tokens=8)
+    _assert_matches_hf_generation(hf_model, requests, rows, 8)
+
+
+def test_longrope_requests_recomputed_after_preemption_keep_hf_generations_rotations(tmp_path) -> None:
+    """Too few blocks for both: requests are preempted, one after its generation crossed 32 (its cache
+    all long), and recomputed, prompt and generated tokens together, with the same factors."""
+    hf_model = save_random_model(phi3_longrope(), tmp_path)
+    requests, rows, scheduler = _serve(tmp_path, "torch", _prompts((26, 22), seed=7), num_new_tokens=16,
+                                       num_blocks=19)
+    assert scheduler.num_preemptions > 0
+    _assert_matches_hf_generation(hf_model, requests, rows, 16)
 
 
 def _engine_with_tokenizer(model_dir, hf_config):
@@ -163,15 +183,14 @@ def test_phi3_longrope_with_an_adapter_on_its_fused_modules_matches_peft(tmp_pat
     params = SamplingParams(max_new_tokens=14, decoder_input_details=True, details=True, ignore_eos_token=True)
     outputs = engine.generate(_prompts((40, 24, 22), seed=8), params, adapters=assignment)
     for output, adapter in zip(outputs, assignment):
-        ids = output.prompt_token_ids + output.token_ids
         num_prompt = len(output.prompt_token_ids)
         if adapter is None:
             with peft.disable_adapter():
-                logits = hf_generation_logits(peft, ids, num_prompt)
+                tokens, logits = hf_generate(peft, output.prompt_token_ids, 14)
         else:
-            logits = hf_generation_logits(peft, ids, num_prompt)
+            tokens, logits = hf_generate(peft, output.prompt_token_ids, 14)
         logprobs = torch.log_softmax(logits, dim=-1)
-        assert output.token_ids == logprobs[num_prompt - 1 : -1].argmax(-1).tolist()
+        assert output.token_ids == tokens
         expected = [logprobs[num_prompt - 1 + i, t].item() for i, t in enumerate(output.token_ids)]
         assert [t.logprob for t in output.tokens] == pytest.approx(expected, abs=ATOL)
         expected_prompt = [logprobs[i, t].item() for i, t in enumerate(output.prompt_token_ids[1:])]
@@ -191,8 +210,9 @@ def test_a_long_prompt_does_not_reuse_a_short_prompts_longrope_blocks(tmp_path) 
     second = engine.generate([short + other], params)[0]
     assert first.num_cached_tokens == 0 and second.num_cached_tokens == 16
     for output in (first, second):
-        ids, num_prompt = output.prompt_token_ids + output.token_ids, len(output.prompt_token_ids)
-        logprobs = torch.log_softmax(hf_generation_logits(hf_model, ids, num_prompt), dim=-1)
-        assert output.token_ids == logprobs[num_prompt - 1 : -1].argmax(-1).tolist()
+        tokens, logits = hf_generate(hf_model, output.prompt_token_ids, 3)
+        logprobs = torch.log_softmax(logits, dim=-1)
+        assert output.token_ids == tokens
+        num_prompt = len(output.prompt_token_ids)
         expected = [logprobs[num_prompt - 1 + i, t].item() for i, t in enumerate(output.token_ids)]
         assert [t.logprob for t in output.tokens] == pytest.approx(expected, abs=ATOL)

@@ -16,7 +16,8 @@ and a PNG plot to benchmarks/results/.
 Projections: SmolLM2 shapes at 1-256 rows, each call on the next of 8 copies of the weight (the
 copies exceed the L2 cache, as a decode step's 30 layers do), `kernels.linear.linear_packed` with
 each kernel this CPU's form runs against the library: oneDNN's prepacked bf16 matmul (which the CPU
-backend keeps on AMX above `tuning.AMX_LINEAR_MAX_ROWS`), F.linear (MKL's sgemm) in float32.
+backend no longer keeps: each projection is held once, in its kernel's layout), F.linear (MKL's
+sgemm) in float32.
 
 Bandwidth: the device's copy rate is measured first (a 1 GiB copy on CUDA, 256 MiB on CPU; bytes
 read plus bytes written per second), and each LoRA and attention row gives the bytes its call must

@@ -81,7 +81,7 @@ def model_costs(model: LlamaModel) -> ModelCosts:
     hidden, q_size, kv_size = shape.hidden_size, shape.q_size, shape.kv_size
     per_layer = hidden * (q_size + 2 * kv_size) + q_size * hidden + 3 * shape.intermediate_size * hidden
     layer_params, head_params = shape.num_layers * per_layer, shape.vocab_size * hidden
-    element_bytes = model.weights.embed_tokens.element_size()
+    element_bytes = model.dtype.itemsize
     return ModelCosts(
         layer_params=layer_params,
         head_params=head_params,

@@ -5,11 +5,9 @@ fastest matmul. `Backend.linear(weight, bias)` picks the form; each is a callabl
 - `CompiledLinear`: a compiled matmul of the CPU ops (kernels/csrc/linear.cpp, amx_linear.cpp):
   `f32` (`vfmadd` on AVX2 and AVX-512 forms: MKL's sgemm, which F.linear calls, runs on its AVX2 path
   on AMD CPUs), `bf16` (`vdpbf16ps` in the AVX512-BF16 form; bf16 weights widened to float32 for
-  `vfmadd` in the AVX2 and AVX-512 forms; every batch size: faster than oneDNN at all sizes measured)
-  or `amx` on AMX tiles (decode-sized batches; above
-  `tuning.AMX_LINEAR_MAX_ROWS` oneDNN's prepacked matmul is faster, and is the one place this library
-  uses PyTorch's private `mkldnn` ops: measured 1.3-2x faster than `F.linear` on the same bf16
-  tensors at 96-300 rows on the AMX machine).
+  `vfmadd` in the AVX2 and AVX-512 forms) or `amx` on AMX tiles, each at every batch size: the
+  weight is held once, in its kernel's layout (a second copy in oneDNN's layout for prefill-sized
+  batches once doubled the projections' memory; figures in `kernels.tuning`).
 Semantics of the compiled matmuls: `x @ weight.T` accumulated in float32 and rounded to x's dtype
 once (`kernels.reference.linear`).
 
@@ -56,19 +54,6 @@ class PlainLinear:
         return F.linear(x, self.weight, self.bias)
 
 
-class OneDNNLinear:
-    """oneDNN's prepacked bf16 weight (the layout PyTorch's own CPU compiler uses)."""
-
-    __slots__ = ("packed", "bias")
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, tuning.ONEDNN_PACKING_ROWS)
-        self.bias = bias
-
-    def __call__(self, x: torch.Tensor, reads: Reads = NO_READS) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-
-
 @dataclass(frozen=True, slots=True)
 class PackedLinear:
     """A weight `[out_features, in_features]` in the layout of one compiled kernel."""
@@ -76,23 +61,31 @@ class PackedLinear:
     kind: str  # one of KINDS
     packed: torch.Tensor
     out_features: int
-    max_rows: int | None  # larger batches are faster on oneDNN (None: this kernel serves any size)
 
 
 class CompiledLinear:
-    """The compiled matmul, and oneDNN for the batches above its `max_rows`. Holds the weight only in
-    the forms its calls use (a plain copy as well would be a third copy of every projection)."""
+    """The compiled matmul over the packed weight, the only copy of the weight it holds."""
 
-    __slots__ = ("compiled", "large")
+    __slots__ = ("compiled",)
 
-    def __init__(self, compiled: PackedLinear, weight: torch.Tensor, large_batches: bool = True) -> None:
+    def __init__(self, compiled: PackedLinear) -> None:
         self.compiled = compiled
-        self.large = OneDNNLinear(weight) if compiled.max_rows is not None and large_batches else None
 
     def __call__(self, x: torch.Tensor, reads: Reads = NO_READS) -> torch.Tensor:
-        if self.large is not None and x.shape[0] > self.compiled.max_rows:
-            return self.large(x)
         return linear_packed(x, self.compiled, reads)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight, `[len(ids), in_features]`, gathered from the packed layout: a tied
+        embedding's lookup reads the head's one copy (for a 128k vocabulary, 500 MB not held twice)."""
+        packed, ids = self.compiled.packed, ids.reshape(-1)
+        if self.compiled.kind == "amx":  # packed[N/32][K/32][2][16 pairs][16 columns][2]
+            n_block, half, column = ids // _AMX_BLOCK, ids % _AMX_BLOCK // 16, ids % 16
+            picked = packed[n_block, :, half, :, column, :]  # [n, K/32, 16, 2]
+        elif self.compiled.kind == "bf16":  # packed[N/16][K/2][16][2]
+            picked = packed[ids // _BLOCK_COLUMNS, :, ids % _BLOCK_COLUMNS, :]  # [n, K/2, 2]
+        else:  # f32: packed[N/16][K][16]
+            picked = packed[ids // _BLOCK_COLUMNS, :, ids % _BLOCK_COLUMNS]  # [n, K]
+        return picked.reshape(ids.shape[0], -1)
 
 
 class DequantizingLinear:
@@ -145,7 +138,7 @@ def _multiply_part(x: torch.Tensor, part: QuantizedTensor, out: torch.Tensor) ->
 
 
 # each a callable (x [M, in], reads) -> [M, out]
-LinearWeight = PlainLinear | OneDNNLinear | CompiledLinear | DequantizingLinear | QuantizedLinear
+LinearWeight = PlainLinear | CompiledLinear | DequantizingLinear | QuantizedLinear
 
 
 def available_kinds() -> list[str]:
@@ -177,18 +170,18 @@ def _pack_as(weight: torch.Tensor, kind: str) -> PackedLinear | None:
         # 16-column B tiles whose rows hold consecutive pairs of K:
         # n = ((n_block * 2 + half) * 16 + column), k = (k_step * 16 + pair) * 2 + element
         tiles = weight.view(out_features // _AMX_BLOCK, 2, 16, in_features // _AMX_BLOCK, 16, 2)
-        return PackedLinear(kind, copy_to_huge_pages(tiles.permute(0, 3, 1, 4, 2, 5)), out_features, tuning.AMX_LINEAR_MAX_ROWS)
+        return PackedLinear(kind, copy_to_huge_pages(tiles.permute(0, 3, 1, 4, 2, 5)), out_features)
     if out_features % _BLOCK_COLUMNS:
         return None
     if kind == "f32":
         # packed[N/16][K][16]: per block of 16 output columns, each k as one 64-byte row.
         blocks = weight.view(out_features // _BLOCK_COLUMNS, _BLOCK_COLUMNS, in_features)
-        return PackedLinear(kind, copy_to_huge_pages(blocks.permute(0, 2, 1)), out_features, None)
+        return PackedLinear(kind, copy_to_huge_pages(blocks.permute(0, 2, 1)), out_features)
     if in_features % 2:
         return None
     # packed[N/16][K/2][16][2]: per block of 16 output columns, each pair of K as one 64-byte vector.
     blocks = weight.view(out_features // _BLOCK_COLUMNS, _BLOCK_COLUMNS, in_features // 2, 2)
-    return PackedLinear(kind, copy_to_huge_pages(blocks.permute(0, 2, 1, 3)), out_features, None)
+    return PackedLinear(kind, copy_to_huge_pages(blocks.permute(0, 2, 1, 3)), out_features)
 
 
 def linear_packed(x: torch.Tensor, weight: PackedLinear, reads: Reads = NO_READS) -> torch.Tensor:

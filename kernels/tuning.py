@@ -85,6 +85,12 @@ CPU_KERNEL_CONSTANTS: dict[str, int] = {
     # 1-2 MB L2 with room for the weights' column group; measured on a 2 MB L2 (128 and 512 KiB were
     # within noise; docs/benchmarks.md). Re-measure with prefill-sized batches on a CPU whose L2 differs.
     "linear_row_block_bytes": 256 * 1024,
+    # The AMX matmul's chunks of rows (kernels/csrc/amx_linear.cpp): every column block runs over one
+    # chunk, whose x takes at most this many bytes, before the next chunk starts. Larger than the
+    # register tiles' blocks: each chunk reads the weights again (from memory, past a few layers),
+    # and the tiles consume them ~3x faster. Sized for a 2 MB L2, a column block's weights (K x 32)
+    # beside the chunk.
+    "amx_linear_row_block_bytes": 1024 * 1024,
     # The portable tiles (plain loops; the LoRA op's tiles in forms without the instructions).
     "portable_tile_rows": 4,
     "portable_tile_blocks": 1,
@@ -140,15 +146,13 @@ DECODE_BUCKET_SEQS = 12
 # scores (256 x 4096 keys x 9 heads fp32 = 38 MB) while keeping each matmul large.
 PREFILL_QUERY_CHUNK = 256
 
-# CPU bf16 projections on AMX machines: batches of at most this many rows take the compiled AMX
-# matmul (kernels/csrc/amx_linear.cpp), larger ones oneDNN's prepacked matmul: the row count where the
-# two were at parity, weights out of cache as in a decode step (`python -m benchmarks.kernels --quick
-# --dtype bfloat16`; docs/benchmarks.md).
-AMX_LINEAR_MAX_ROWS = 96
-# CPU bf16 projections without AMX (kernels/csrc/linear.cpp: `vdpbf16ps` on AVX512-BF16, widened
-# to float32 on AVX-512 and AVX2) take the compiled matmul at every batch size, and no oneDNN copy
-# of the weight is kept: it was faster than oneDNN's prepacked matmul at every measured batch but the
-# LM head's single row (docs/benchmarks.md).
+# CPU bf16 projections take their form's compiled matmul at every batch size, and no oneDNN copy of
+# the weight is kept (one copy of each projection in memory). Without AMX (kernels/csrc/linear.cpp:
+# `vdpbf16ps` on AVX512-BF16, widened to float32 on AVX-512 and AVX2) it was faster than oneDNN's
+# prepacked matmul at every measured batch but the LM head's single row (docs/benchmarks.md). On AMX
+# (kernels/csrc/amx_linear.cpp, x in chunks of `amx_linear_row_block_bytes`), Llama-3.2-1B's shapes
+# at 128-512 rows, one thread, a busy 2-core Xeon (family 6 model 207): 0.52-0.95x oneDNN's time for
+# q/k/v, o and gate/up, 1.04-1.16x for down (2048 x 8192); the four together 0.81-0.97x.
 
 # The AVX512-BF16 form is used only where `vdpbf16ps` does at least this share of the FLOPs per
 # second of float32 FMA (kernels/csrc/peak.cpp's probes, best of FORM_PROBE_TRIES runs of
@@ -160,8 +164,6 @@ BF16_DOT_MIN_SHARE_OF_FMA = 1.0
 FORM_PROBE_ITERATIONS = 300_000
 FORM_PROBE_TRIES = 3
 
-# Row count oneDNN's packed bf16 weight layout is tuned for: a typical decode step of the default scheduler.
-ONEDNN_PACKING_ROWS = 64
 
 # Triton LoRA tiles (kernels/lora/sgmv.py, bgmv.py). tl.dot needs every tile dimension >= 16 on GPU.
 # A shrink program covers one page of the adapter (16 rank rows, kernels/lora/layouts.PAGE_ROWS).

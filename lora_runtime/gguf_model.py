@@ -50,7 +50,7 @@ def load_gguf(path: Path, dtype: str, device: str, backend: kernels.Backend) -> 
         layers=[_layer_weights(file, shape, idx, backend) for idx in range(shape.num_layers)],
         final_norm=file.dense("output_norm.weight", (shape.hidden_size,)),
         lm_head=backend.linear(file.projection(["output.weight" if file.has("output.weight") else "token_embd.weight"],
-                                               shape.vocab_size, shape.hidden_size), few_rows=True),
+                                               shape.vocab_size, shape.hidden_size)),
     )
     rotary = rotary_tables(config, features.layer_rope, shape.head_dim, shape.max_model_len, file.dtype, file.device)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

@@ -3,13 +3,16 @@ weights (fusing q/k/v and gate/up where the checkpoint keeps them apart), rotary
 tokenizer. The config is read, and anything in it we do not compute refused, before any weight."""
 from __future__ import annotations
 
+import logging
+import time
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 import kernels
+from lora_runtime.checkpoint import Checkpoint, empty_buffer
 from lora_runtime.dtypes import DTYPES
+from kernels.linear import CompiledLinear
 from kernels.quantized import QuantizedWeight, quantize_q8_0
 from lora_runtime.errors import ValidationError
 from lora_runtime.models.architectures import (
@@ -21,35 +24,47 @@ from lora_runtime.models.architectures import (
 from lora_runtime.models.llama import LayerWeights, LlamaModel, ModelWeights
 from lora_runtime.models.rope import rotary_tables
 
+LOG = logging.getLogger(__name__)
+
 
 class _TensorReader:
-    """Reads named tensors across one or more safetensors files, checked against the shape the model
-    needs and cast to the model dtype."""
+    """Reads named tensors of a checkpoint (lora_runtime/checkpoint.py) a tensor at a time, checked
+    against the shape the model needs and cast to the model dtype: no tensor of the model is a view
+    of the checkpoint's files, and none is read twice."""
 
-    def __init__(self, model_dir: Path, dtype: torch.dtype, device: str) -> None:
-        files = sorted(model_dir.glob("*.safetensors"))
-        if not files:
-            raise ValidationError("model", f"no .safetensors weights in {model_dir.name}")
-        self._handles = {path.name: safe_open(str(path), framework="pt") for path in files}
-        self._where = {name: file for file, handle in self._handles.items() for name in handle.keys()}
-        self.dtype = dtype
-        self.device = device
+    def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype, device: str) -> None:
+        self.checkpoint, self.dtype, self.device = checkpoint, dtype, device
 
     def has(self, name: str) -> bool:
-        return name in self._where
+        return name in self.checkpoint.entries
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
         """The tensor `name`, which must have `shape`, in `dtype` (the model's by default)."""
-        if name not in self._where:
-            raise ValidationError("model", f"weight {name} missing from the checkpoint ({', '.join(self._handles)})")
-        file = self._where[name]
-        tensor = self._handles[file].get_tensor(name)
-        if tuple(tensor.shape) != shape:
-            raise ValidationError("model", f"weight {name} in {file} has shape {tuple(tensor.shape)}, expected {shape}")
-        return tensor.to(device=self.device, dtype=dtype or self.dtype)
+        out = empty_buffer(shape, dtype or self.dtype)
+        self._read_into(name, out)
+        return out.to(self.device)
 
     def fused(self, names: list[str], shapes: list[tuple[int, ...]]) -> torch.Tensor:
-        return torch.cat([self.get(name, shape) for name, shape in zip(names, shapes)], dim=0).contiguous()
+        """The tensors concatenated along dim 0, each read into its rows (no copy of the whole)."""
+        out = empty_buffer((sum(shape[0] for shape in shapes), *shapes[0][1:]), self.dtype)
+        first = 0
+        for name, shape in zip(names, shapes):
+            self._read_into(name, out[first:first + shape[0]])
+            first += shape[0]
+        return out.to(self.device)
+
+    def _read_into(self, name: str, out: torch.Tensor) -> None:
+        """Tensor `name` into `out` (of its expected shape, contiguous, on the CPU), cast on the way."""
+        entry = self.checkpoint.entries.get(name)
+        if entry is None:
+            raise ValidationError("model", f"weight {name} missing from the checkpoint ({self.checkpoint.file_names()})")
+        if entry.shape != tuple(out.shape):
+            raise ValidationError("model", f"weight {name} in {entry.file.name} has shape {entry.shape}, "
+                                           f"expected {tuple(out.shape)}")
+        if entry.dtype == out.dtype:
+            self.checkpoint.read_into(name, out)
+        else:
+            out.copy_(self.checkpoint.read(name))
 
 
 class _LayerReader:
@@ -140,16 +155,28 @@ def load_model(model_dir: Path, dtype: str, device: str, backend: kernels.Backen
     shape = model_shape_from_config(config)
     features = model_features_from_config(config, shape)
     torch_dtype = DTYPES[dtype]
-    reader = _TensorReader(model_dir, torch_dtype, device)
+    started = time.perf_counter()
+    with Checkpoint(model_dir) as checkpoint:
+        weights = _read_weights(_TensorReader(checkpoint, torch_dtype, device), shape, features, backend, quantization)
+    LOG.info("loaded %s: %d tensors, %.2f GiB from %d file(s) in %.1f s", model_dir.name, len(checkpoint.entries),
+             sum(entry.num_bytes for entry in checkpoint.entries.values()) / 2**30, len(checkpoint.files),
+             time.perf_counter() - started)
+    rotary = rotary_tables(config, features.layer_rope, shape.head_dim, shape.max_model_len, torch_dtype, device)
+    return LlamaModel(shape, weights, rotary, backend, features)
+
+
+def _read_weights(reader: _TensorReader, shape: ModelShape, features: ModelFeatures, backend: kernels.Backend,
+                  quantization: str | None) -> ModelWeights:
+    """Every weight, a layer at a time, each projection laid out for the backend as it is read."""
     layers = _LayerReader(reader, shape, features, backend, quantization)
     embed = reader.get("model.embed_tokens.weight", (shape.vocab_size, shape.hidden_size))
     tied = shape.tie_word_embeddings or not reader.has("lm_head.weight")
-    weights = ModelWeights(
+    head = backend.linear(embed if tied else reader.get("lm_head.weight", (shape.vocab_size, shape.hidden_size)))
+    if tied and isinstance(head, CompiledLinear):
+        embed = None  # the head's packed copy is the one copy: the embedding's rows are read from it
+    return ModelWeights(
         embed_tokens=embed,
         layers=[layers.layer(idx) for idx in range(shape.num_layers)],
         final_norm=layers.norm("model.norm.weight", shape.hidden_size),
-        lm_head=backend.linear(embed if tied else reader.get("lm_head.weight", (shape.vocab_size, shape.hidden_size)),
-                               few_rows=True),
+        lm_head=head,
     )
-    rotary = rotary_tables(config, features.layer_rope, shape.head_dim, shape.max_model_len, torch_dtype, device)
-    return LlamaModel(shape, weights, rotary, backend, features)

@@ -9,7 +9,8 @@ Every backend offers the same ops, and each op's per-step plan is built by the b
 (`plan_attention`, `plan_lora`), so a step carries only its own backend's metadata:
 
     linear(weight, bias=None) -> callable (x [M, in], reads=NO_READS) -> [M, out]; `reads`: the pages the
-        op after the projection reads, which the compiled matmuls fetch while they compute
+        op after the projection reads, which the compiled matmuls fetch while they compute; the compiled
+        form (`CompiledLinear`, the weight's one copy) also gives `rows(ids)`, a tied embedding's lookup
     attention_reads(k_cache, v_cache, plan) -> those reads of attention (NO_READS where the backend's
         matmuls take none)
     lora_layout(model_dtype, module_shapes) -> what a page of the adapter pool holds (kernels.lora.layouts)

@@ -39,18 +39,13 @@ class CompiledCPUBackend(TorchBackend):
             return TiledPages(dtype)
         return super().lora_layout(model_dtype, shapes)
 
-    def linear(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None, *,
-               few_rows: bool = False):
-        """`few_rows`: the projection sees a step's sampled rows only (the head), so it is held in the
-        compiled form alone: oneDNN's second copy for batches past the compiled kernel's `max_rows`
-        would go unused and, for a 128k-vocabulary head, cost ~500 MB (the compiled form serves any
-        number of rows, slower past `max_rows`)."""
+    def linear(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None):
         if isinstance(weight, QuantizedWeight):
             return QuantizedLinear(weight, bias)
         packed = pack_linear_weight(weight) if bias is None else None
         if packed is None:
             return super().linear(weight, bias)
-        return CompiledLinear(packed, weight, large_batches=not few_rows)
+        return CompiledLinear(packed)
 
     def plan_attention(self, step: StepSequences) -> CompiledAttentionPlan:
         return CompiledAttentionPlan.build(step, self.ops.has_vector_attention())

@@ -33,10 +33,8 @@ class TorchBackend:
         # Tiny 16-bit matmuls cost 2-5x more than float32 ones on CPU (measured with the segment loop).
         return RowPages(torch.float32 if self.device.type == "cpu" else model_dtype)
 
-    def linear(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None, *,
-               few_rows: bool = False):
-        """A projection in this backend's form; `few_rows` (the head) matters only where a backend holds
-        a second form for large batches (the compiled CPU backend)."""
+    def linear(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None):
+        """A projection in this backend's form."""
         if isinstance(weight, QuantizedWeight):
             return DequantizingLinear(weight, bias)
         return PlainLinear(weight, bias)

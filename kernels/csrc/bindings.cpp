@@ -541,13 +541,19 @@ void amx_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, std::v
     out.zero_();
     return;
   }
-  const int64_t rows = x.size(0), padded_rows = (rows + 31) / 32 * 32;
-  torch::Tensor padded = x;  // the tiles read 32 rows at a time: pad x with zero rows to a whole block
-  if (padded_rows != rows) {
-    padded = torch::zeros({padded_rows, x.size(1)}, x.options());
-    padded.narrow(0, 0, rows).copy_(x);
+  // x in the kernel's tiles (amx_linear.cpp): x_tiles[row_block][k_step][32][32], padded with zero
+  // rows to whole blocks of 32.
+  const int64_t rows = x.size(0), k = x.size(1), row_blocks = (rows + 31) / 32;
+  torch::Tensor tiles = torch::empty({row_blocks, k / 32, 32, 32}, x.options());
+  const int64_t whole = rows / 32;
+  if (whole > 0) tiles.narrow(0, 0, whole).copy_(x.narrow(0, 0, whole * 32).view({whole, 32, k / 32, 32}).permute({0, 2, 1, 3}));
+  if (whole != row_blocks) {
+    torch::Tensor last = torch::zeros({32, k}, x.options());
+    last.narrow(0, 0, rows - whole * 32).copy_(x.narrow(0, whole * 32, rows - whole * 32));
+    tiles.select(0, whole).copy_(last.view({32, k / 32, 32}).permute({1, 0, 2}));
   }
-  run_linear(table().amx_linear, table().amx_linear_groups, out, padded, packed, rows, fetch_pools, fetch_pages);
+  run_linear(table().amx_linear, table().amx_linear_groups, out, tiles.view({row_blocks * 32, k}), packed, rows,
+             fetch_pools, fetch_pages);
 }
 
 double peak_flops(const std::string& kind, int64_t iterations, double seed) {

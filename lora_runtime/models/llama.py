@@ -41,7 +41,7 @@ class LayerWeights:
 
 @dataclass(slots=True)
 class ModelWeights:
-    embed_tokens: torch.Tensor  # [vocab, hidden]
+    embed_tokens: torch.Tensor | None  # [vocab, hidden]; None when tied: the head holds it (`lm_head.rows`)
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [hidden]
     lm_head: LinearWeight  # [vocab, hidden], the embedding itself when tied
@@ -75,11 +75,16 @@ class LlamaModel:
         self.embedding_scale: torch.Tensor | float = features.embedding_scale
         if features.spec.scaled_embedding:
             self.embedding_scale = torch.tensor(features.embedding_scale, dtype=self.dtype,
-                                                device=weights.embed_tokens.device)
+                                                device=weights.final_norm.device)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.weights.embed_tokens.dtype
+        return self.weights.final_norm.dtype
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.weights.embed_tokens is None:
+            return self.weights.lm_head.rows(input_ids)
+        return F.embedding(input_ids, self.weights.embed_tokens)
 
     def rope_variant(self, num_tokens: int) -> str | None:
         """What the cached keys of a request of `num_tokens` tokens depend on beyond its tokens and
@@ -100,7 +105,7 @@ class LlamaModel:
         sublayer adds the last sublayer's output into the residual in place and normalises the sum
         in one fused op."""
         layers = self.weights.layers
-        residual = F.embedding(batch.input_ids, self.weights.embed_tokens)  # [num_tokens, hidden]
+        residual = self._embed(batch.input_ids)  # [num_tokens, hidden]
         if self.features.embedding_scale != 1.0:
             residual = residual * self.embedding_scale
         x = self._norm(residual, layers[0].attention_in_norm) if layers[0].attention_in_norm is not None else residual

@@ -91,13 +91,16 @@ def test_compiled_linear_reads_a_row_tile_past_the_first(kind_in_form: str) -> N
 @kinds
 @pytest.mark.parametrize("threads", [1, 2])
 def test_compiled_linear_runs_row_blocks_in_turn(kind_in_form: str, threads: int) -> None:
-    """A batch whose x outgrows `linear_row_block_bytes` several times over (each column group runs over
-    one block of rows, then the next) computes every row as the rows alone do, to the bit (each
-    element's sum runs over K in the same order), and as the twin does; with reads requested (in the
-    last block only) and split over threads."""
+    """A batch whose x outgrows `linear_row_block_bytes` (AMX: `amx_linear_row_block_bytes`, of x in
+    bf16) several times over (each column group runs over one block of rows, then the next) computes
+    every row as the rows alone do, to the bit (each element's sum runs over K in the same order), and
+    as the twin does; with reads requested (in the last block only) and split over threads."""
     dtype = KIND_DTYPES[kind_in_form]
     in_features = 576
-    rows = 3 * tuning.CPU_KERNEL_CONSTANTS["linear_row_block_bytes"] // (in_features * 4) + 5
+    if kind_in_form == "amx":
+        rows = 3 * tuning.CPU_KERNEL_CONSTANTS["amx_linear_row_block_bytes"] // (in_features * 2) + 5
+    else:
+        rows = 3 * tuning.CPU_KERNEL_CONSTANTS["linear_row_block_bytes"] // (in_features * 4) + 5
     x, weight = _randn(rows, in_features, seed=11, dtype=dtype), _randn(960, in_features, seed=12, dtype=dtype)
     packed = pack_linear_weight(weight, kind_in_form)
     pool = torch.ones(64, 4096, dtype=torch.bfloat16)
@@ -215,12 +218,30 @@ def test_backend_projections_match_the_reference(cpu_backend, dtype: torch.dtype
     assert isinstance(cpu_backend.linear(weight), CompiledLinear if compiled else PlainLinear)
 
 
-def test_a_head_is_held_in_the_compiled_form_alone_and_serves_any_batch(cpu_backend) -> None:
-    """The head (`few_rows`) keeps no oneDNN copy beside its compiled form (for a tied 128k-vocabulary
-    head, ~500 MB), and still computes x @ W.T for batches past the compiled kernel's `max_rows`."""
-    weight = _randn(64, 64, seed=2).to(torch.bfloat16)
-    head = cpu_backend.linear(weight, few_rows=True)
-    x = _randn(tuning.AMX_LINEAR_MAX_ROWS + 5, 64, seed=1).to(torch.bfloat16)
-    expected = (x.float() @ weight.float().T).to(torch.bfloat16)
-    torch.testing.assert_close(head(x), expected, atol=2e-2, rtol=1e-2)
-    assert not isinstance(head, CompiledLinear) or head.large is None
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_projection_is_held_once_and_serves_any_batch(cpu_backend, dtype: torch.dtype) -> None:
+    """Whatever form the backend lays a weight out in, it holds the weight's bytes once (the AMX form
+    once kept oneDNN's copy beside its own for batches past 96 rows: twice the projections' memory),
+    and computes x @ W.T from them for decode-sized and prefill-sized batches alike."""
+    weight = _randn(64, 64, seed=2).to(dtype)
+    linear = cpu_backend.linear(weight)
+    slots = {name for cls in type(linear).__mro__ for name in getattr(cls, "__slots__", ())}
+    parts = [getattr(linear, name) for name in slots]
+    tensors = [t for part in parts for t in ([part] if torch.is_tensor(part) else
+                                             [getattr(part, f) for f in getattr(part, "__slots__", ())])]
+    held = sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+    assert held == weight.numel() * weight.element_size()
+    for rows in (5, 300):
+        x = _randn(rows, 64, seed=1).to(dtype)
+        expected = (x.float() @ weight.float().T).to(dtype)
+        torch.testing.assert_close(linear(x), expected, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-2)
+
+
+@kinds
+def test_rows_of_a_packed_weight_are_the_weights_rows(kind_in_form: str) -> None:
+    """A tied embedding's lookup reads the head's packed copy: rows gathered from each kernel's layout
+    are the weight's rows, bit for bit, in any order and repeated."""
+    dtype = KIND_DTYPES[kind_in_form]
+    weight = _randn(96, 64, seed=7, dtype=dtype)
+    ids = torch.tensor([0, 95, 17, 31, 32, 17, 48])
+    assert torch.equal(CompiledLinear(pack_linear_weight(weight, kind_in_form)).rows(ids), weight[ids])

@@ -150,8 +150,18 @@ void unpack_q6_k(const uint8_t* block, UnpackedRow row) {
       const uint8_t* top = qh + 32 * h;
       const int low_shift = 4 * (quarter / 2), top_shift = 2 * quarter;
       int8_t* q = row.q + 128 * h + 32 * quarter;
+#if defined(__AVX2__)
+      // 16-bit shifts then byte masks: the bits a byte takes from its neighbour are masked off.
+      const __m256i lows = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(low));
+      const __m256i tops = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(top));
+      const __m256i low_bits = _mm256_and_si256(_mm256_srl_epi16(lows, _mm_cvtsi32_si128(low_shift)), _mm256_set1_epi8(15));
+      const __m256i top_bits = _mm256_and_si256(_mm256_srl_epi16(tops, _mm_cvtsi32_si128(top_shift)), _mm256_set1_epi8(3));
+      const __m256i values = _mm256_or_si256(low_bits, _mm256_slli_epi16(top_bits, 4));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_sub_epi8(values, _mm256_set1_epi8(32)));
+#else
       for (int e = 0; e < 32; ++e)
         q[e] = static_cast<int8_t>((((low[e] >> low_shift) & 15) | (((top[e] >> top_shift) & 3) << 4)) - 32);
+#endif
     }
   }
   for (int s = 0; s < 16; ++s) row.scales[s] = d * static_cast<float>(static_cast<int8_t>(block[192 + s]));
@@ -487,14 +497,37 @@ int64_t quantized_row_bytes(int32_t ggml_type, int64_t k) {
   return k / shape.elements * shape.bytes;
 }
 
+namespace {
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// The unpacked row's weights rounded to bf16, 16 at a time: the same float products and sums as
+// dequantize_row's float path.
+void widen_to_bf16(const UnpackedRow& row, int64_t k, bool adds_offsets, uint16_t* out) {
+  for (int64_t g = 0; g < k / 16; ++g) {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row.q + 16 * g));
+    __m512 values = _mm512_mul_ps(_mm512_set1_ps(row.scales[g]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
+    if (adds_offsets) values = _mm512_add_ps(values, _mm512_set1_ps(row.offsets[g / 2]));
+    float_to_bf16x16(values, out + 16 * g);
+  }
+}
+#endif
+
+}  // namespace
+
 void dequantize_row(int32_t ggml_type, const uint8_t* blocks, int64_t k, DType dtype, void* out) {
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> scales, offsets, values;
   q.resize(k);
   scales.resize(k / 16);
   offsets.resize(k / kXBlock);
-  values.resize(k);
   unpack_row(ggml_type, blocks, k, {q.data(), scales.data(), offsets.data()});
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if (dtype == DType::bf16) {
+    widen_to_bf16({q.data(), scales.data(), offsets.data()}, k, has_offsets(ggml_type), static_cast<uint16_t*>(out));
+    return;
+  }
+#endif
+  values.resize(k);
   // The reference's order: scale * q, then the offset added (Q4_1: + m; K-quants: - dmin * min);
   // none added to the other types, whose zero products keep their sign there.
   for (int64_t g = 0; g < k / 16; ++g) {

@@ -26,6 +26,11 @@ namespace {
 constexpr int64_t kGroupRows = 32;  // weight rows widened together: a task
 constexpr int64_t kRowBlock = 16;  // rows of x per packed block (an AMX tile's columns)
 
+// Elements from one widened weight row to the next: k and a line more, so that a tile's 16 rows
+// (k a power of two: 4 KiB or more apart) do not all fall in one L1 set (the AMX tiles' loads of
+// them missed L1: the widened matmul spent a fifth of its time there).
+int64_t widened_stride(int64_t k) { return k + 32; }
+
 // x [rows, k] bf16 bits as packed blocks of 16 rows, `row_blocks` of them (rows past `rows` zero).
 void pack_rows(const uint16_t* x, int64_t rows, int64_t k, int64_t row_blocks, std::vector<uint16_t>& packed) {
   packed.assign(row_blocks * kRowBlock * k, 0);
@@ -36,13 +41,13 @@ void pack_rows(const uint16_t* x, int64_t rows, int64_t k, int64_t row_blocks, s
   }
 }
 
-// Weight rows [first, first + kGroupRows) as bf16 rows [kGroupRows, k] (rows past n zero); returns
-// how many are weight rows.
+// Weight rows [first, first + kGroupRows) as bf16 rows [kGroupRows, widened_stride(k)] (rows past n
+// zero); returns how many are weight rows.
 int64_t widen_group(const QuantizedLinearArgs& args, int64_t row_bytes, int64_t first, uint16_t* rows) {
-  const int64_t count = std::min(kGroupRows, args.n - first);
+  const int64_t count = std::min(kGroupRows, args.n - first), stride = widened_stride(args.k);
   for (int64_t c = 0; c < count; ++c)
-    dequantize_row(args.ggml_type, args.blocks + (first + c) * row_bytes, args.k, DType::bf16, rows + c * args.k);
-  std::memset(rows + count * args.k, 0, (kGroupRows - count) * args.k * sizeof(uint16_t));
+    dequantize_row(args.ggml_type, args.blocks + (first + c) * row_bytes, args.k, DType::bf16, rows + c * stride);
+  std::memset(rows + count * stride, 0, (kGroupRows - count) * stride * sizeof(uint16_t));
   return count;
 }
 
@@ -65,7 +70,7 @@ constexpr int64_t kRowBlockAlign = 2;  // the AMX tiles take x 32 rows at a time
 void multiply_group(const uint16_t* weights, const std::vector<uint16_t>& x_packed, int64_t row_blocks,
                     int64_t columns, const QuantizedLinearArgs& args, int64_t first_column) {
   alignas(64) float tile[kGroupRows * 2 * kRowBlock];
-  const int64_t k = args.k, block_elements = kRowBlock * k;
+  const int64_t k = args.k, block_elements = kRowBlock * k, stride = widened_stride(k);
   for (int64_t rb = 0; rb < row_blocks; rb += 2) {
     const uint16_t* x_block = x_packed.data() + rb * block_elements;
     _tile_zero(0);
@@ -73,8 +78,8 @@ void multiply_group(const uint16_t* weights, const std::vector<uint16_t>& x_pack
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t step = 0; step < k / 32; ++step) {
-      _tile_loadd(4, weights + 32 * step, k * 2);
-      _tile_loadd(5, weights + 16 * k + 32 * step, k * 2);
+      _tile_loadd(4, weights + 32 * step, stride * 2);
+      _tile_loadd(5, weights + 16 * stride + 32 * step, stride * 2);
       _tile_loadd(6, x_block + 16 * 32 * step, 64);
       _tile_loadd(7, x_block + block_elements + 16 * 32 * step, 64);
       _tile_dpbf16ps(0, 4, 6);
@@ -101,7 +106,7 @@ constexpr int64_t kRowBlockAlign = 1;
 void multiply_group(const uint16_t* weights, const std::vector<uint16_t>& x_packed, int64_t row_blocks,
                     int64_t columns, const QuantizedLinearArgs& args, int64_t first_column) {
   alignas(64) float tile[16 * 3 * kBlockColumns];
-  const int64_t k = args.k;
+  const int64_t k = args.k, stride = widened_stride(k);
   for (int64_t m0 = 0; m0 < columns; m0 += kBf16TileRows) {
     const int rows = static_cast<int>(std::min<int64_t>(kBf16TileRows, columns - m0));
     for (int64_t rb = 0; rb < row_blocks; rb += kBf16TileBlocks) {
@@ -111,7 +116,7 @@ void multiply_group(const uint16_t* weights, const std::vector<uint16_t>& x_pack
       const BlockPages<uint16_t> pages{starts, 1, k / 2};
       with_blocks(blocks, [&]<int NB>() {
         with_rows<kBf16TileRows>(rows, [&]<int MR>() {
-          bf16_tile<MR, NB>(weights + m0 * k, k, pages, k / 2, Prefetcher{}, tile, NB * kBlockColumns);
+          bf16_tile<MR, NB>(weights + m0 * stride, stride, pages, k / 2, Prefetcher{}, tile, NB * kBlockColumns);
         });
       });
       store_transposed(tile, blocks * kBlockColumns, rows, rb * kRowBlock, blocks * kRowBlock, args, first_column + m0);
@@ -130,7 +135,7 @@ void quantized_linear_widened(const QuantizedLinearArgs& args, int64_t begin, in
   const int64_t blocks_needed = (args.rows + kRowBlock - 1) / kRowBlock;
   const int64_t row_blocks = (blocks_needed + kRowBlockAlign - 1) / kRowBlockAlign * kRowBlockAlign;
   pack_rows(static_cast<const uint16_t*>(args.x), args.rows, args.k, row_blocks, x_packed);
-  weights.resize(kGroupRows * args.k);
+  weights.resize(kGroupRows * widened_stride(args.k));
   const int64_t row_bytes = quantized_row_bytes(args.ggml_type, args.k);
   [[maybe_unused]] const TileState tiles;
   for (int64_t group = begin; group < end; ++group) {

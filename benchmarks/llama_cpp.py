@@ -42,30 +42,49 @@ def llama_cpp_root() -> Path:
     return default_cache_dir() / "peers" / f"llama.cpp-{LLAMA_CPP_PYTHON_VERSION}"
 
 
+def tool_binary(root: Path, target: str) -> Path:
+    return root / "build" / "bin" / target
+
+
 def server_binary(root: Path) -> Path:
-    return root / "build" / "bin" / "llama-server"
+    return tool_binary(root, "llama-server")
 
 
 def is_built(binary: Path) -> bool:
-    """A binary counts only if it runs: an interrupted link can leave a partial file behind."""
+    """A binary counts only if it runs: an interrupted link can leave a partial file behind. `--help`
+    is a question every tool answers (llama-quantize with exit status 1, after its usage text); a
+    partial file fails to execute or dies of a signal instead."""
     if not binary.is_file():
         return False
-    return subprocess.run([str(binary), "--version"], check=False, capture_output=True, timeout=60).returncode == 0
+    try:
+        probe = subprocess.run([str(binary), "--help"], check=False, capture_output=True, timeout=60)
+    except OSError:
+        return False
+    return probe.returncode in (0, 1) and bool(probe.stdout)
 
 
 def ensure_server(root: Path) -> Path:
-    """The cached `llama-server`, fetched and built first where missing. cmake resumes an interrupted
-    build in place, so a partial build directory is reused rather than deleted."""
-    binary = server_binary(root)
+    return ensure_tool(root, "llama-server")
+
+
+def ensure_quantize(root: Path) -> Path:
+    return ensure_tool(root, "llama-quantize")
+
+
+def ensure_tool(root: Path, target: str) -> Path:
+    """The cached binary of the vendored source's cmake `target`, fetched and built first where
+    missing. cmake resumes an interrupted build in place, so a partial build directory is reused
+    rather than deleted, and the tools share the libraries already built for another."""
+    binary = tool_binary(root, target)
     if is_built(binary):
         return binary
     source = ensure_source(root)
-    logger.info("building llama-server in %s (7-17 minutes on one core; log: build.log)", root)
+    logger.info("building %s in %s (7-17 minutes on one core; log: build.log)", target, root)
     cores = str(os.cpu_count() or 1)
     _run_logged(["cmake", "-S", str(source), "-B", str(root / "build"), *CMAKE_OPTIONS], root / "build.log")
-    _run_logged(["cmake", "--build", str(root / "build"), "--target", "llama-server", "-j", cores], root / "build.log")
+    _run_logged(["cmake", "--build", str(root / "build"), "--target", target, "-j", cores], root / "build.log")
     if not is_built(binary):
-        raise RuntimeError(f"built llama-server does not run --version: {binary}")
+        raise RuntimeError(f"built {target} does not run --help: {binary}")
     return binary
 
 
@@ -113,6 +132,34 @@ def convert_model(root: Path, model_dir: Path, outtype: str) -> Path:
         with tempfile.TemporaryDirectory() as scratch:
             staged = stage_model_dir(model_dir, Path(scratch))
             _convert(root, "convert_hf_to_gguf.py", [str(staged)], outtype, target)
+    return target
+
+
+# GGUF types the converter writes itself; every other type is quantized from its bf16 file.
+CONVERTER_TYPES = ("f32", "f16", "bf16")
+
+
+def model_file(root: Path, model_dir: Path, outtype: str) -> Path:
+    """`model_dir` as a GGUF file of `outtype`: a converter type (f32, f16, bf16), or any type the
+    vendored `llama-quantize` names (q8_0, q4_k_m, ...), quantized from the bf16 file once."""
+    if outtype in CONVERTER_TYPES:
+        return convert_model(root, model_dir, outtype)
+    return quantize_model(root, convert_model(root, model_dir, "bf16"), outtype)
+
+
+def quantize_model(root: Path, source: Path, outtype: str) -> Path:
+    """`source` quantized to `outtype` by the vendored `llama-quantize` (its default mixture of tensor
+    types for a K-quant "_M" type), once, written under a temporary name renamed into place."""
+    target = source.with_name(f"{source.stem.removesuffix('-bf16')}-{outtype}.gguf")
+    if not target.is_file():
+        binary = ensure_quantize(root)
+        partial = target.with_name(f"{target.stem}.partial-{os.getpid()}.gguf")
+        command = [str(binary), str(source), str(partial), outtype.upper(), str(os.cpu_count() or 1)]
+        completed = subprocess.run(command, check=False, capture_output=True)
+        if completed.returncode != 0:
+            partial.unlink(missing_ok=True)
+            raise RuntimeError(f"llama-quantize failed ({completed.returncode}):\n{_tail(completed.stdout + completed.stderr)}")
+        os.replace(partial, target)
     return target
 
 

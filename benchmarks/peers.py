@@ -3,7 +3,7 @@
 
     python -m benchmarks.peers [--threads 1] [--num-requests 64] [--new-tokens 64] [--adapters 8]
         [--llama-dtypes f32,bf16] [--peft-dtypes float32,bfloat16] [--repeats 3]
-        [--skip-peft] [--skip-llama]
+        [--skip-peft] [--skip-llama] [--random-llama-1b [--layers N]]
 
 Workloads, on the embedded model: W, 64 requests of 20-60 prompt tokens over 8 random PEFT adapters
 (ranks 8-64 on every projection; request i uses adapter i % 8), 64 new tokens each, greedy, EOS
@@ -15,6 +15,13 @@ batched `generate` (W only) in float32 and bfloat16. Peers run once each; every 
 adapters before its clock starts. Ratios are taken against each peer's best dtype. Prints tokens per
 CPU-second and per wall second of every run, the ratios on CPU time and the issue's goals; the last
 line of stdout is one JSON object.
+
+Same file (`benchmarks.same_gguf`): each `--llama-dtypes` type is one GGUF file (f32/f16/bf16 from the
+converter, any other type, e.g. q8_0 or q4_k_m, by the vendored `llama-quantize` from the bf16 file),
+served by llama.cpp and by our engine as it is, W and base at `--num-requests` requests and base_1, the
+first request alone; ratios ours over llama.cpp per file and ours per type over ours at bf16.
+`--random-llama-1b` runs a random-weight model of Llama-3.2-1B's shape instead of the embedded model
+(`--layers N` cuts it to N layers, for a quick check).
 """
 from __future__ import annotations
 
@@ -27,9 +34,10 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import llama_cpp, options
+from benchmarks import llama_cpp, options, same_gguf
 from benchmarks.engine import NO_PREFIX_CACHE, make_prompts, median_of_interleaved, run_ours
 from benchmarks.peft_baseline import make_random_adapters, run_peft
+from benchmarks.threads import random_llama
 from lora_runtime import Engine, EngineConfig
 from lora_runtime.config import SchedulerConfig
 from lora_runtime.embedded import default_cache_dir, ensure_embedded_model
@@ -65,7 +73,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     options.add_repeats(parser)
     parser.add_argument("--skip-peft", action="store_true")
     parser.add_argument("--skip-llama", action="store_true")
-    return parser.parse_args(argv)
+    parser.add_argument("--random-llama-1b", action="store_true",
+                        help="a random-weight model of Llama-3.2-1B's shape instead of the embedded model (slow)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="with --random-llama-1b: that many layers instead of its 16 (a quick check)")
+    args = parser.parse_args(argv)
+    if args.layers is not None and (not args.random_llama_1b or args.layers < 1):
+        parser.error("--layers takes a positive count, with --random-llama-1b")
+    return args
 
 
 def cpu_model_name() -> str:
@@ -101,20 +116,24 @@ def measure_ours(engine: Engine, workload: Workload, repeats: int) -> dict:
 
 
 def measure_llama_cpp(model_dir: Path, workload: Workload, outtypes: list[str], threads: int) -> dict:
-    """Per GGUF type: W on a server holding every adapter, base on one started without adapters
-    (so no request can pay for an adapter)."""
+    """Per GGUF type: W on a server holding every adapter (in bf16 beside a quantized model), base
+    and base_1 (the first request alone) on one started without adapters (so no request can pay for
+    an adapter)."""
     root = llama_cpp.llama_cpp_root()
     binary = llama_cpp.ensure_server(root)
     report = {}
     for outtype in outtypes:
         start = time.perf_counter()
-        model = llama_cpp.convert_model(root, model_dir, outtype)
-        loras = [llama_cpp.convert_adapter(root, path, model_dir, outtype) for path in workload.adapter_paths]
+        model = llama_cpp.model_file(root, model_dir, outtype)
+        lora_type = outtype if outtype in llama_cpp.CONVERTER_TYPES else "bf16"
+        loras = [llama_cpp.convert_adapter(root, path, model_dir, lora_type) for path in workload.adapter_paths]
+        first = Workload(workload.prompts[:1], workload.adapter_paths, workload.adapter_of[:1], workload.new_tokens)
         report[outtype] = {"convert_s": time.perf_counter() - start,
                            "W": _serve(binary, model, loras, workload, workload.adapter_of, threads),
-                           "base": _serve(binary, model, [], workload, [None] * len(workload.prompts), threads)}
-        _log(f"llama.cpp ({outtype}), W", report[outtype]["W"])
-        _log(f"llama.cpp ({outtype}), base", report[outtype]["base"])
+                           "base": _serve(binary, model, [], workload, [None] * len(workload.prompts), threads),
+                           "base_1": _serve(binary, model, [], first, [None], threads)}
+        for name in same_gguf.WORKLOADS:
+            _log(f"llama.cpp ({outtype}), {name}", report[outtype][name])
     return report
 
 
@@ -199,21 +218,31 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the figures
     torch.set_num_threads(args.threads)
-    model_dir = ensure_embedded_model()
-    engine = Engine.from_config(EngineConfig(scheduler=SchedulerConfig(max_num_seqs=args.num_requests),
+    model_dir = random_llama(args.layers) if args.random_llama_1b else ensure_embedded_model()
+    engine = Engine.from_config(EngineConfig(model=str(model_dir) if args.random_llama_1b else None,
+                                             scheduler=SchedulerConfig(max_num_seqs=args.num_requests),
                                              kv_cache=NO_PREFIX_CACHE, num_threads=args.threads))
-    paths = make_random_adapters(model_dir, default_cache_dir() / "bench-adapters", args.adapters, TARGETS)
+    adapters_dir = default_cache_dir() / "bench-adapters" / (model_dir.name if args.random_llama_1b else "")
+    paths = make_random_adapters(model_dir, adapters_dir, args.adapters, TARGETS)
     workload = Workload(make_prompts(engine.tokenizer, args.num_requests), paths,
                         [i % args.adapters for i in range(args.num_requests)], args.new_tokens)
-    report: dict = {"cpu_model": cpu_model_name(), "threads": args.threads, "num_requests": args.num_requests,
+    report: dict = {"model": str(model_dir), "cpu_model": cpu_model_name(), "threads": args.threads, "num_requests": args.num_requests,
                     "new_tokens": args.new_tokens, "num_adapters": args.adapters, "targets": TARGETS,
                     "ours_dtype": _dtype_name(engine.model.dtype), "ours_config_dtype": str(engine.config.dtype)}
     report["ours"] = measure_ours(engine, workload, args.repeats)
+    pad_id = engine.tokenizer.eos_token_id
+    del engine  # the same-file runs build an engine per file
     if not args.skip_llama:
-        report["llama_cpp"] = measure_llama_cpp(model_dir, workload, args.llama_dtypes.split(","), args.threads)
+        outtypes = args.llama_dtypes.split(",")
+        report["llama_cpp"] = measure_llama_cpp(model_dir, workload, outtypes, args.threads)
+        report["ours_gguf"] = same_gguf.measure_ours_files(model_dir, workload, outtypes, args.threads, args.repeats)
+        report["file_ratios"] = same_gguf.file_ratios(report["ours_gguf"], report["llama_cpp"])
+        report["file_goals"] = same_gguf.check_file_goals(report["file_ratios"])
     if not args.skip_peft:
-        report["peft"] = measure_peft(model_dir, workload, args.peft_dtypes.split(","), engine.tokenizer.eos_token_id)
+        report["peft"] = measure_peft(model_dir, workload, args.peft_dtypes.split(","), pad_id)
     _summarise(report)
+    if "file_ratios" in report:
+        same_gguf.log_file_summary(report["file_ratios"], report["file_goals"])
     print(json.dumps(report))
     return report
 

@@ -1,7 +1,7 @@
 """How our engine scales with compute threads: the one benchmark that runs more than one.
 
     python -m benchmarks.threads [--threads 1,2] [--num-requests 64] [--new-tokens 64] [--adapters 8]
-                                 [--repeats 3] [--llama-cpp] [--random-llama-1b]
+                                 [--repeats 3] [--llama-cpp] [--random-llama-1b [--layers 16]]
 
 The workloads of `benchmarks.peers`: 64 requests of 20-60 prompt tokens, 64 new tokens each, greedy,
 EOS ignored, on the embedded model in the engine's default dtype; "base" (no adapter) and "W" (the
@@ -18,7 +18,8 @@ layer's ops and the threads' imbalance). `--llama-cpp` runs llama.cpp's server o
 at the same thread counts (`benchmarks.peers`; built on first use, 7-17 minutes).
 `--random-llama-1b` runs a random-weight model of Llama-3.2-1B's shape instead of the embedded one
 (`benchmarks.random_model`, written on first use; base workload only: the random adapters are made
-for the embedded model). The last line printed is one JSON object.
+for the embedded model); `--layers N` cuts it to its first N layers (a quick check of the benchmark:
+the serial share then weighs more than on the whole model). The last line printed is one JSON object.
 """
 from __future__ import annotations
 
@@ -56,7 +57,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--llama-cpp", action="store_true", help="also run llama.cpp's server (bf16 GGUF)")
     parser.add_argument("--random-llama-1b", action="store_true",
                         help="a random-weight model of Llama-3.2-1B's shape instead of the embedded model (slow)")
-    return parser.parse_args(argv)
+    parser.add_argument("--layers", type=int, default=None,
+                        help="with --random-llama-1b: that many layers instead of its 16 (a quick check)")
+    args = parser.parse_args(argv)
+    if args.layers is not None and (not args.random_llama_1b or args.layers < 1):
+        parser.error("--layers takes a positive count, with --random-llama-1b")
+    return args
 
 
 def thread_counts(text: str | None) -> list[int]:
@@ -136,7 +142,7 @@ def _log_summary(name: str, summary: dict) -> None:
 
 
 def measure_ours(args: argparse.Namespace, counts: list[int]) -> dict:
-    model_dir = ensure_random_llama() if args.random_llama_1b else ensure_embedded_model()
+    model_dir = random_llama(args.layers) if args.random_llama_1b else ensure_embedded_model()
     engine = Engine.from_config(EngineConfig(model=str(model_dir) if args.random_llama_1b else None, dtype=args.dtype,
                                              scheduler=SchedulerConfig(max_num_seqs=args.num_requests),
                                              kv_cache=NO_PREFIX_CACHE, num_threads=counts[-1]))
@@ -155,6 +161,15 @@ def measure_ours(args: argparse.Namespace, counts: list[int]) -> dict:
         report[name] = summarise({threads: medians[f"{name}@{threads}"] for threads in counts}, counts)
         _log_summary(f"ours ({engine.dtype_name}), {name}", report[name])
     return report
+
+
+def random_llama(num_layers: int | None) -> Path:
+    """The random model of Llama-3.2-1B's shape, cut to `num_layers` in a directory of its own (the
+    whole model's stays as it is)."""
+    if num_layers is None:
+        return ensure_random_llama()
+    directory = default_cache_dir() / "models" / f"random-llama-3.2-1b-shape-{num_layers}-layers"
+    return ensure_random_llama(directory, num_hidden_layers=num_layers)
 
 
 def measure_llama_cpp(args: argparse.Namespace, counts: list[int]) -> dict:

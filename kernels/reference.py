@@ -127,11 +127,15 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def rotate_qk(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
               num_kv_heads: int) -> None:
-    """In place: the first num_heads + num_kv_heads heads of qkv [T, (H + 2 * Hkv) * D] (q then k)
-    become x * cos[pos] + rotate_half(x) * sin[pos] (the Llama rotate-half layout), cos/sin [P, D]."""
-    head_dim = cos.shape[1]
-    qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].unflatten(-1, (num_heads + num_kv_heads, head_dim))
-    half = head_dim // 2
+    """In place: the first R dims of the first num_heads + num_kv_heads heads of qkv [T, (H + 2 * Hkv) * D]
+    (q then k) become x * cos[pos] + rotate_half(x) * sin[pos] (the Llama rotate-half layout over those R
+    dims; the rest of each head kept, as Phi-3's partial rotary), cos/sin [P, R] with R <= D, `positions`
+    [T] each token's row of them."""
+    head_dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+    rotary_dim = cos.shape[1]
+    heads = qkv[:, : (num_heads + num_kv_heads) * head_dim].unflatten(-1, (num_heads + num_kv_heads, head_dim))
+    qk = heads[..., :rotary_dim]
+    half = rotary_dim // 2
     rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
     qk.copy_(qk * cos[positions].unsqueeze(1) + rotated * sin[positions].unsqueeze(1))
 
@@ -159,7 +163,7 @@ def rotary_store_kv(
 ) -> None:
     """`rotate_qk` in place, then `store_kv` of the rotated keys and the values."""
     rotate_qk(qkv, positions, cos, sin, num_heads, num_kv_heads)
-    _, k, v = split_qkv(qkv, num_heads, num_kv_heads, cos.shape[1])
+    _, k, v = split_qkv(qkv, num_heads, num_kv_heads, k_cache.shape[-1])
     store_kv(k, v, k_cache, v_cache, slot_mapping)
 
 

@@ -7,11 +7,12 @@ the adapter it names (`AdapterRef` parsed from the wire by `parse_adapter_ref`, 
 `AdapterKey`, `Caller`, `MergedAdapters`, the `AdapterSource` protocol), what comes back
 (`RequestOutput` and its token records), what a front end reads of an engine (`EngineInfo`,
 `EngineStats`), the failures (`EngineError` and its subclasses, each naming its wire `error_type`;
-HTTP statuses are the server's, `server/errors.py`), and the engine backend the service runs
-requests on (`EngineBackend`, `EngineStream`).
+HTTP statuses are the server's, `server/errors.py`), the engine backend the service runs
+requests on (`EngineBackend`, `EngineStream`), and structured output's wire vocabulary
+(`schema_from_response_format`, `JSON_COMPILE_OPTIONS`, the tool-call formats `TOOL_CALL_FORMATS`).
 
 Definitions live in torch-free modules named for what they hold (`core`, `errors`, `engine_info`,
-`adapters/refs`, `adapters/merge_request`); the two that had no such home are defined here."""
+`adapters/refs`, `adapters/merge_request`, `sampling/response_format`, `sampling/tools`); the two that had no such home are defined here."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
@@ -28,14 +29,17 @@ from lora_runtime.engine_info import AdapterLimits, BaseModelShape, EngineInfo
 from lora_runtime.errors import (AdapterAccessError, AdapterIncompatibleError, AdapterInvalidError,
                                  AdapterNotFoundError, AdapterUnavailableError, EngineError, NonFiniteLogitsError,
                                  RequestAbortedError, ValidationError)
+from lora_runtime.sampling.response_format import JSON_COMPILE_OPTIONS, schema_from_response_format
+from lora_runtime.sampling.tools import TOOL_CALL_FORMATS, ToolCallFormat
 
 __all__ = [
-    "MAX_MERGED_ADAPTERS", "MAX_TOP_LOGPROBS", "SOURCES", "AdapterAccessError", "AdapterArgument", "AdapterIncompatibleError",
+    "JSON_COMPILE_OPTIONS", "MAX_MERGED_ADAPTERS", "MAX_TOP_LOGPROBS", "SOURCES", "TOOL_CALL_FORMATS", "AdapterAccessError", "AdapterArgument", "AdapterIncompatibleError",
     "AdapterInvalidError", "AdapterKey", "AdapterLimits", "AdapterNotFoundError", "AdapterRef", "AdapterRequest",
     "AdapterSource", "AdapterUnavailableError", "BaseModelShape", "CacheScope", "Caller", "EngineBackend",
     "EngineError", "EngineInfo", "EngineStats", "EngineStream", "FinishReason", "LocalSource", "MergedAdapters",
     "NonFiniteLogitsError", "PrefillToken", "RequestAbortedError", "RequestOutput", "SamplingParams", "TokenInfo",
-    "ToolCalling", "TopToken", "ValidationError", "check_remote", "infer_source", "parse_adapter_ref",
+    "ToolCallFormat", "ToolCalling", "TopToken", "ValidationError", "check_remote", "infer_source", "parse_adapter_ref",
+    "schema_from_response_format",
 ]
 
 

@@ -276,24 +276,27 @@ class AsyncEngine:
             return
         self._num_steps += 1
         self._publish_queues()  # before the outputs: whoever reads one finds its request counted
-        for output in outputs:
-            self._publish(output)
+        deliveries = [delivery for delivery in map(self._delivery, outputs) if delivery is not None]
+        if deliveries and self._loop is not None:
+            # One wake-up of the event loop a step, not one a request and token.
+            self._loop.call_soon_threadsafe(_deliver, deliveries)
 
     def _publish_queues(self) -> None:
         scheduler = self.engine.scheduler
         self._queues = _Queues(len(scheduler.running), len(scheduler.waiting),
                                _distinct_adapters(scheduler.running), _distinct_adapters(scheduler.waiting))
 
-    def _publish(self, output: RequestOutput) -> None:
+    def _delivery(self, output: RequestOutput) -> tuple[RequestStream, RequestOutput | Exception] | None:
+        """Count the output; the stream it goes to, and what it gets, unless the stream has gone."""
         stream = self._streams.get(output.request_id)
         if output.finished:
             self._num_finished += 1
             self._num_generated_tokens += len(output.token_ids)
             self._streams.pop(output.request_id, None)
-        if stream is not None and self._loop is not None:
-            # A request that failed inside the engine (its adapter did not load) raises in the stream.
-            item = output.error if output.error is not None else output
-            self._loop.call_soon_threadsafe(stream._push, item)
+        if stream is None:
+            return None
+        # A request that failed inside the engine (its adapter did not load) raises in the stream.
+        return stream, output.error if output.error is not None else output
 
     def _fail_running(self, error: Exception) -> None:
         wrapped = RequestAbortedError(f"the engine failed while generating: {error}")
@@ -305,6 +308,11 @@ class AsyncEngine:
         stream = self._streams.pop(request_id, None)
         if stream is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(stream._push, error)
+
+
+def _deliver(deliveries: list[tuple[RequestStream, RequestOutput | Exception]]) -> None:
+    for stream, item in deliveries:
+        stream._push(item)
 
 
 def _distinct_adapters(requests: Iterable[Request]) -> tuple[AdapterKey, ...]:

@@ -17,11 +17,31 @@ _CONTEXT_TOKENS = 6
 _INCOMPLETE = "\ufffd"
 
 
-class IncrementalDetokenizer:
-    """Per-request state: feed generated token ids one at a time, get the new text of each."""
+class TokenTexts:
+    """Each token's text on its own (special tokens included), decoded once per tokenizer: every step
+    asks it for every request's new token and its top alternatives, the same few thousand ids."""
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int], kept_special_ids: Collection[int] = ()) -> None:
+    __slots__ = ("_tokenizer", "_texts")
+
+    def __init__(self, tokenizer) -> None:
         self._tokenizer = tokenizer
+        self._texts: dict[int, str] = {}  # at most the vocabulary
+
+    def __getitem__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+
+class IncrementalDetokenizer:
+    """Per-request state: feed generated token ids one at a time, get the new text of each. Requests
+    of one tokenizer share its `TokenTexts` (one of its own when not given)."""
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], kept_special_ids: Collection[int] = (),
+                 token_texts: TokenTexts | None = None) -> None:
+        self._tokenizer = tokenizer
+        self._token_texts = token_texts if token_texts is not None else TokenTexts(tokenizer)
         self._special_ids = set(tokenizer.all_special_ids) | set(kept_special_ids)
         self._kept_special_ids = frozenset(kept_special_ids)
         context = [t for t in prompt_token_ids[-_CONTEXT_TOKENS:] if t not in self._special_ids]
@@ -35,7 +55,7 @@ class IncrementalDetokenizer:
 
     def token_text(self, token_id: int) -> str:
         """The text of one token on its own, as shown in token details (special tokens included)."""
-        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+        return self._token_texts[token_id]
 
     def add_token(self, token_id: int) -> str:
         """Append a generated token; return the text it completes ('' while a character is partial).

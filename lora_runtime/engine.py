@@ -69,9 +69,11 @@ class Engine:
                                        config.kv_cache.enable_prefix_caching, model.features.max_window)
         base_shape = BaseModelShape(model_name, model.shape.num_layers, model.shape.module_dims())
         self.adapters = AdapterManager(config.adapters, base_shape, model.backend, model.dtype, adapter_sources)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.adapters.pages, self._kv_identity)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.adapters.pages, self._kv_identity,
+                                   model.recompute_length)
         self.runner = ModelRunner(model, self.kv_cache, num_blocks, config.device, self.adapters)
-        self.sampler = Sampler()
+        self.step_times = StepTimes()
+        self.sampler = Sampler(self.step_times)
         self.tokenizer_info = TokenizerInfo(tokenizer, model.shape.vocab_size, _eos_token_ids(tokenizer, model_name))
         self._states: dict[str, RequestState] = {}
         self._group_of: dict[str, BestOfGroup] = {}  # candidate request id -> its best_of group
@@ -79,7 +81,6 @@ class Engine:
         self._request_counter = itertools.count()
         self._wakeup = threading.Event()  # set when an adapter load settles or `wake()` is called
         self.num_threads = torch.get_num_threads()  # the compute threads (Engine.from_config sets them)
-        self.step_times = StepTimes()
 
     @classmethod
     def from_config(cls, config: EngineConfig | None = None, adapter_sources: dict[str, AdapterSource] | None = None) -> Engine:
@@ -189,12 +190,13 @@ class Engine:
         return engine_stats(activity, self.kv_cache, self.scheduler.num_preemptions, self.adapters)
 
     def _kv_identity(self, request: Request) -> bytes:
-        """The root of the request's KV block chain: its cache scope, its adapter's key and the load
-        its weights came from (the scheduler asks once the adapter is loaded)."""
+        """The root of the request's KV block chain: its cache scope, its rotation, its adapter's key and
+        the load its weights came from (the scheduler asks once the adapter is loaded)."""
         lease = self._leases.get(request.request_id)
         load_serial = lease.load.result().load_serial if lease is not None else None
         return kv_identity(request.adapter_key, load_serial, request.cache_scope,
-                           self.config.kv_cache.share_base_prefix_cache)
+                           self.config.kv_cache.share_base_prefix_cache,
+                           self.model.rope_variant(request.num_tokens))
 
     def _chat_template(self, params: SamplingParams, lease: Lease | None) -> str | None:
         """The adapter's own chat template for apply_chat_template: this waits for the adapter to

@@ -24,6 +24,7 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [num_tokens] int64, flat KV slot of each token
     attention: object  # the step's attention plan, built by the model's backend (`Backend.plan_attention`)
     logits_indices: torch.Tensor  # [num_logit_rows] int64, tokens whose next-token logits are needed
+    request_lens: torch.Tensor  # [num_tokens] int64, each token's request's length so far (LongRoPE's choice)
     lora: LoraBatch | None = None
 
     @property

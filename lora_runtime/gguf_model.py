@@ -20,10 +20,9 @@ from kernels import reference
 from kernels.quantized import BLOCK_TYPES, QuantizedTensor, QuantizedWeight
 from lora_runtime.dtypes import DTYPES
 from lora_runtime.errors import ValidationError
-from lora_runtime.layers.rotary import RotaryEmbedding
 from lora_runtime.models.architectures import ModelShape, model_features_from_config, model_shape_from_config
 from lora_runtime.models.llama import LayerWeights, LlamaModel, ModelWeights
-from lora_runtime.models.rope import rope_frequencies
+from lora_runtime.models.rope import rotary_tables
 
 # general.architecture -> whether llama.cpp's converter permuted q/k rows into its rotary layout.
 ARCHITECTURES = {"llama": True, "qwen2": False}
@@ -53,14 +52,9 @@ def load_gguf(path: Path, dtype: str, device: str, backend: kernels.Backend) -> 
         lm_head=backend.linear(file.projection(["output.weight" if file.has("output.weight") else "token_embd.weight"],
                                                shape.vocab_size, shape.hidden_size), few_rows=True),
     )
-    rotary = {key: _rotary(config, shape, key, file) for key in set(features.layer_rope) - {None}}
+    rotary = rotary_tables(config, features.layer_rope, shape.head_dim, shape.max_model_len, file.dtype, file.device)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     return LlamaModel(shape, weights, rotary, backend, features), tokenizer
-
-
-def _rotary(config, shape: ModelShape, key: str, file: GGUFTensors) -> RotaryEmbedding:
-    inv_freq, attention_scaling = rope_frequencies(config, shape.head_dim, None if key == "default" else key)
-    return RotaryEmbedding(inv_freq, shape.max_model_len, attention_scaling, file.dtype, file.device)
 
 
 def _layer_weights(file: GGUFTensors, shape: ModelShape, layer_idx: int, backend: kernels.Backend) -> LayerWeights:

@@ -12,7 +12,6 @@ import kernels
 from lora_runtime.dtypes import DTYPES
 from kernels.quantized import QuantizedWeight, quantize_q8_0
 from lora_runtime.errors import ValidationError
-from lora_runtime.layers.rotary import RotaryEmbedding
 from lora_runtime.models.architectures import (
     ModelFeatures,
     ModelShape,
@@ -20,7 +19,7 @@ from lora_runtime.models.architectures import (
     model_shape_from_config,
 )
 from lora_runtime.models.llama import LayerWeights, LlamaModel, ModelWeights
-from lora_runtime.models.rope import rope_frequencies
+from lora_runtime.models.rope import rotary_tables
 
 
 class _TensorReader:
@@ -147,10 +146,5 @@ def load_model(model_dir: Path, dtype: str, device: str, backend: kernels.Backen
         lm_head=backend.linear(embed if tied else reader.get("lm_head.weight", (shape.vocab_size, shape.hidden_size)),
                                few_rows=True),
     )
-    rotary = {key: _rotary(config, shape, key, torch_dtype, device) for key in set(features.layer_rope) - {None}}
+    rotary = rotary_tables(config, features.layer_rope, shape.head_dim, shape.max_model_len, torch_dtype, device)
     return LlamaModel(shape, weights, rotary, backend, features)
-
-
-def _rotary(config, shape: ModelShape, key: str, dtype: torch.dtype, device: str) -> RotaryEmbedding:
-    inv_freq, attention_scaling = rope_frequencies(config, shape.head_dim, None if key == "default" else key)
-    return RotaryEmbedding(inv_freq, shape.max_model_len, attention_scaling, dtype, device)

@@ -65,6 +65,7 @@ class ModelRunner:
             slot_mapping=self._tensor(step.slots),
             attention=self.model.backend.plan_attention(sequences),
             logits_indices=self._tensor(step.logits_indices),
+            request_lens=self._tensor(step.request_lens),
             lora=self._lora(output),
         )
         return batch, LogitsRows(tuple(step.sample_requests), tuple(step.sample_rows), tuple(step.prompt_rows))
@@ -95,6 +96,7 @@ class _StepInputs:
         self.block_size = block_size
         self.input_ids: list[int] = []
         self.positions: list[int] = []
+        self.request_lens: list[int] = []
         self.slots: list[int] = []
         self.query_start = [0]
         self.seq_lens: list[int] = []
@@ -109,14 +111,16 @@ class _StepInputs:
         first_token = len(self.input_ids)
         self.input_ids.extend(request.all_token_ids[start : start + count])
         self.positions.extend(range(start, start + count))
+        self.request_lens.extend([request.num_tokens] * count)
         size = self.block_size
         self.slots.extend(table[p // size] * size + p % size for p in range(start, start + count))
         self.query_start.append(len(self.input_ids))
         self.seq_lens.append(start + count)
         self.tables.append(table)
-        # Logits at prompt positions t score prompt token t + 1 (decoder_input_details).
+        # Logits at prompt positions t score prompt token t + 1 (decoder_input_details), from the first
+        # prefill only: a recompute (after a preemption, or LongRoPE's switch) does not score it again.
         num_prompt_rows = min(start + count, request.num_prompt_tokens - 1) - start
-        if request.params.decoder_input_details and num_prompt_rows > 0:
+        if request.params.decoder_input_details and num_prompt_rows > 0 and not request.output_token_ids:
             self.prompt_rows.append((request, start, len(self.logits_indices), num_prompt_rows))
             self.logits_indices.extend(range(first_token, first_token + num_prompt_rows))
         if samples:

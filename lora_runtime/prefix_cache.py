@@ -28,15 +28,16 @@ from lora_runtime.core import CacheScope
 
 
 def kv_identity(key: AdapterKey | None, load_serial: int | None, scope: CacheScope,
-                share_base_across_tenants: bool = False) -> bytes:
-    """The root of a request's block chain: its scope (tenant, salt), then the base model, or its
-    adapter's key and weights' load. With `share_base_across_tenants`, an unsalted base-model root
-    names no tenant, so every tenant's unsalted base-model requests share blocks."""
+                share_base_across_tenants: bool = False, rope_variant: str | None = None) -> bytes:
+    """The root of a request's block chain: its scope (tenant, salt), the rotation its keys take
+    (`rope_variant`: LongRoPE's long set for a long prompt, `LlamaModel.rope_variant`), then the base
+    model, or its adapter's key and weights' load. With `share_base_across_tenants`, an unsalted
+    base-model root names no tenant, so every tenant's unsalted base-model requests share blocks."""
     is_shared = key is None and scope.salt is None and share_base_across_tenants
     tenant = "" if is_shared else scope.tenant
     model = ["base"] if key is None else [
         "adapter", key.source, key.scope, key.credential, key.version, key.adapter_id, load_serial]
-    return hashlib.sha256(json.dumps([tenant, scope.salt, *model]).encode()).digest()
+    return hashlib.sha256(json.dumps([tenant, scope.salt, rope_variant, *model]).encode()).digest()
 
 
 def extend_block_hashes(hashes: list[bytes], identity: bytes, token_ids: Sequence[int], num_blocks: int,

@@ -21,7 +21,7 @@ class RequestState:
         self.candidate_index = candidate_index
         self.tool_call_format = _tool_call_format(request)
         self.detokenizer = IncrementalDetokenizer(info.tokenizer, request.prompt_token_ids,
-                                                  _kept_special_ids(info, self.tool_call_format))
+                                                  _kept_special_ids(info, self.tool_call_format), info.token_texts)
         self.stop = StopCriteria(request.params, info.eos_token_ids)
         self.tokens: list[TokenInfo] = []
         self.prompt_logprobs: list[float | None] = [None] * request.num_prompt_tokens
@@ -75,11 +75,11 @@ class RequestState:
 
     def snapshot(self) -> RequestOutput:
         request = self.request
-        tokenizer = self.tokenizer_info.tokenizer
+        token_texts = self.tokenizer_info.token_texts
         prefill = []
         if request.params.decoder_input_details:
             prefill = [
-                PrefillToken(token_id, tokenizer.decode([token_id]), logprob, top)
+                PrefillToken(token_id, token_texts[token_id], logprob, top)
                 for token_id, logprob, top in zip(request.prompt_token_ids, self.prompt_logprobs, self.prompt_top)
             ]
         return RequestOutput(

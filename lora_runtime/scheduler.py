@@ -116,13 +116,16 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
                  adapter_pages: AdapterPagePool | None = None,
                  identity_of: Callable[[Request], bytes] = lambda request: kv_identity(
-                     request.adapter_key, None, request.cache_scope)) -> None:
+                     request.adapter_key, None, request.cache_scope),
+                 recompute_length: int | None = None) -> None:
         """`identity_of`: the root of a request's block chain for prefix caching (the engine's
-        includes the load of the adapter's weights)."""
+        includes the load of the adapter's weights). `recompute_length`: a running request whose
+        tokens grow past it recomputes its whole cache (the model's `recompute_length`)."""
         self.config = config
         self.kv_cache = kv_cache
         self.adapter_pages = adapter_pages
         self._identity_of = identity_of
+        self.recompute_length = recompute_length
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._waited_steps: dict[str, int] = {}
@@ -186,6 +189,8 @@ class Scheduler:
                 return
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
+            if request.num_computed_tokens == self.recompute_length == request.num_tokens - 1:
+                self._restart(request)
             num_new = budget.num_tokens_for(request)
             if num_new == 0:
                 continue
@@ -269,6 +274,14 @@ class Scheduler:
 
     def _is_overdue(self, request: Request) -> bool:
         return self._waited_steps.get(request.request_id, 0) >= self.config.max_wait_steps_before_priority
+
+    def _restart(self, request: Request) -> None:
+        """Recompute the running request's cache from its first token, under the block chain of its
+        new length (LongRoPE's switch to its long factors, where HF's Phi-3 `generate` recomputes)."""
+        self.kv_cache.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.kv_identity = None
+        request.block_hashes = []
 
     def _preempt(self, request: Request) -> None:
         """Free the request's blocks and its adapter's pin; it will recompute its prompt and outputs

@@ -11,8 +11,9 @@ import time
 from dataclasses import dataclass, field
 from types import TracebackType
 
-PHASES = ("schedule", "prepare", "forward", "sample", "update")
-SERIAL_PHASES = tuple(phase for phase in PHASES if phase != "forward")
+PHASES = ("schedule", "prepare", "forward", "sample", "sample_reduce", "update")
+PARALLEL_PHASES = ("forward", "sample_reduce")
+SERIAL_PHASES = tuple(phase for phase in PHASES if phase not in PARALLEL_PHASES)
 
 
 @dataclass(slots=True)
@@ -21,6 +22,8 @@ class StepTimes:
 
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     steps: int = 0
+    # The phases entered and not yet left, innermost last.
+    _open: list[_Phase] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def phase(self, name: str) -> _Phase:
         """`with times.phase("sample"): ...` adds the block's wall time to that phase."""
@@ -46,13 +49,19 @@ class StepTimes:
 
 
 class _Phase:
-    __slots__ = ("_times", "_name", "_start")
+    __slots__ = ("_times", "_name", "_start", "_inner_s")
 
     def __init__(self, times: StepTimes, name: str) -> None:
-        self._times, self._name, self._start = times, name, 0.0
+        self._times, self._name, self._start, self._inner_s = times, name, 0.0, 0.0
 
     def __enter__(self) -> None:
+        self._times._open.append(self)
         self._start = time.perf_counter()
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None) -> None:
-        self._times.seconds[self._name] += time.perf_counter() - self._start
+        elapsed = time.perf_counter() - self._start
+        times = self._times
+        times.seconds[self._name] += elapsed - self._inner_s
+        assert times._open.pop() is self, "phases nest: the innermost one ends first"
+        if times._open:
+            times._open[-1]._inner_s += elapsed

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from lora_runtime.api import (MAX_TOP_LOGPROBS, AdapterRef, AdapterRequest, Caller, MergedAdapters, SamplingParams,
-                              ValidationError, check_remote, infer_source, parse_adapter_ref)
-from lora_runtime.sampling.schema import schema_from_response_format
+                              ValidationError, check_remote, infer_source, parse_adapter_ref,
+                              schema_from_response_format)
 from server.config import ServerConfig
 from server.errors import model_not_found
 from server.protocol import GenerateParameters

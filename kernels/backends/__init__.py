@@ -16,7 +16,8 @@ Every backend offers the same ops, and each op's per-step plan is built by the b
     plan_attention(StepSequences) -> plan;  paged_attention(q, k_cache, v_cache, plan, scale, window=None,
         softcap=None) -> out: causal, or over the last `window` positions; scores soft-capped where given
     store_kv(k, v, k_cache, v_cache, slot_mapping);  rotary_store_kv(qkv, positions, cos, sin,
-        k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
+        k_cache, v_cache, slot_mapping, num_heads, num_kv_heads): cos/sin [rows, R], R <= head_dim
+        rotated, `positions` each token's row
     rms_norm(x, weight, eps, residual=None);  silu_and_mul(gate_up);  gelu_tanh_and_mul(gate_up);  max_logsumexp(scores)
     plan_lora(layout, token_entries, page_tables) -> plan;  add_lora(y, x, slices, plan): y[:, slice columns]
         += each token's adapter delta, its pages found through the plan (kernels.lora.plans)

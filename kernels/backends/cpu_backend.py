@@ -71,7 +71,8 @@ class CompiledCPUBackend(TorchBackend):
         return Reads((k_cache, v_cache), (plan.blocks_read, plan.blocks_read))
 
     def rotary_store_kv(self, qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads) -> None:
-        if _same_dtype(qkv, cos, sin, k_cache, v_cache):
+        # The compiled op rotates whole heads; a partial rotary (Phi-3/4) takes the PyTorch form.
+        if _same_dtype(qkv, cos, sin, k_cache, v_cache) and cos.shape[1] == k_cache.shape[-1]:
             self.ops.rotary_store_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
         else:
             super().rotary_store_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)

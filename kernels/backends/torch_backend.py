@@ -58,7 +58,7 @@ class TorchBackend:
 
     def rotary_store_kv(self, qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads) -> None:
         reference.rotate_qk(qkv, positions, cos, sin, num_heads, num_kv_heads)
-        _, k, v = reference.split_qkv(qkv, num_heads, num_kv_heads, cos.shape[1])
+        _, k, v = reference.split_qkv(qkv, num_heads, num_kv_heads, k_cache.shape[-1])
         self.store_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def rms_norm(self, x, weight, eps: float, residual=None) -> torch.Tensor:

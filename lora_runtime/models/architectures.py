@@ -41,6 +41,8 @@ class ArchitectureSpec:
     norm_plus_one: bool = False  # Gemma's norms scale by (1 + w)
     fused_checkpoint: bool = False  # Phi-3 stores qkv_proj and gate_up_proj fused
     scaled_embedding: bool = False  # Gemma scales the embeddings by sqrt(hidden)
+    partial_rotary: bool = False  # HF rotates the first `partial_rotary_factor` of each head (Phi-3/4)
+    longrope: bool = False  # HF's generate recomputes its cache at LongRoPE's switch (Phi-3/4; models.rope)
 
 
 ARCHITECTURES: dict[str, ArchitectureSpec] = {
@@ -51,7 +53,8 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     "granite": ArchitectureSpec(),
     "olmo2": ArchitectureSpec(norms=POST_NORMS, qk_norm="projection"),
     "smollm3": ArchitectureSpec(),
-    "phi3": ArchitectureSpec(qkv_bias=False, o_bias=False, fused_checkpoint=True),
+    "phi3": ArchitectureSpec(qkv_bias=False, o_bias=False, fused_checkpoint=True, partial_rotary=True,
+                             longrope=True),
     "gemma2": ArchitectureSpec(norms=SANDWICH_NORMS, norm_plus_one=True, scaled_embedding=True),
     "gemma3_text": ArchitectureSpec(norms=SANDWICH_NORMS, qk_norm="head", norm_plus_one=True, scaled_embedding=True),
 }
@@ -164,7 +167,7 @@ def model_features_from_config(config, shape: ModelShape) -> ModelFeatures:
         raise ValidationError("model", f"activation {activation!r} is not supported; supported: {list(ACTIVATIONS)}")
     layer_rope = _layer_rope(config, shape.num_layers)
     for key in set(layer_rope) - {None}:
-        check_rope(config, key if key != "default" else None)
+        check_rope(config, key if key != "default" else None, spec.partial_rotary, spec.longrope)
     query_scalar = getattr(config, "query_pre_attn_scalar", None)
     return ModelFeatures(
         spec=spec,

@@ -15,12 +15,13 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels.huge_pages import empty_on_huge_pages
+from kernels.huge_pages import zeros_on_huge_pages
 from kernels.linear import NO_READS, LinearWeight, Reads
 from kernels.reference import split_qkv
 from lora_runtime.forward_batch import ForwardBatch
 from lora_runtime.layers.rotary import RotaryEmbedding
 from lora_runtime.models.architectures import ModelFeatures, ModelShape
+from lora_runtime.models.rope import recompute_length, rope_variant
 
 
 @dataclass(slots=True)
@@ -57,8 +58,8 @@ class KVCacheTensors:
     @classmethod
     def allocate(cls, shape: ModelShape, num_blocks: int, block_size: int, dtype: torch.dtype, device: str) -> KVCacheTensors:
         # One allocation, so that only its end is rounded up to a whole huge page.
-        both = empty_on_huge_pages((2, shape.num_layers, num_blocks, block_size, shape.num_kv_heads, shape.head_dim),
-                                   dtype, device).zero_()
+        both = zeros_on_huge_pages((2, shape.num_layers, num_blocks, block_size, shape.num_kv_heads, shape.head_dim),
+                                   dtype, device)
         return cls(key=list(both[0].unbind()), value=list(both[1].unbind()))
 
 
@@ -80,6 +81,16 @@ class LlamaModel:
     def dtype(self) -> torch.dtype:
         return self.weights.embed_tokens.dtype
 
+    def rope_variant(self, num_tokens: int) -> str | None:
+        """What the cached keys of a request of `num_tokens` tokens depend on beyond its tokens and
+        adapter (`models.rope`)."""
+        return rope_variant(self.rotary, num_tokens)
+
+    @property
+    def recompute_length(self) -> int | None:
+        """A request growing past this many tokens recomputes its whole cache (`models.rope`)."""
+        return recompute_length(self.rotary)
+
     def forward(self, batch: ForwardBatch, kv_cache: KVCacheTensors) -> torch.Tensor:
         """Run one step; returns logits `[num_logit_rows, vocab]` for `batch.logits_indices`, in the
         model's dtype (HF's bf16 logits are these same values; consumers widen to float32 where they
@@ -93,8 +104,9 @@ class LlamaModel:
         if self.features.embedding_scale != 1.0:
             residual = residual * self.embedding_scale
         x = self._norm(residual, layers[0].attention_in_norm) if layers[0].attention_in_norm is not None else residual
+        rotary_rows = {key: rotary.rows(batch.positions, batch.request_lens) for key, rotary in self.rotary.items()}
         for layer_idx, layer in enumerate(layers):
-            attended = self._attention(layer_idx, layer, x, batch, kv_cache)
+            attended = self._attention(layer_idx, layer, x, batch, kv_cache, rotary_rows)
             attended = self._sublayer_out(attended, layer.attention_out_norm)
             x = self._add_and_norm(attended, residual, layer.mlp_in_norm)
             mlp_out = self._sublayer_out(self._mlp(layer_idx, layer, x, batch), layer.mlp_out_norm)
@@ -130,8 +142,10 @@ class LlamaModel:
         return logits
 
     def _attention(
-        self, layer_idx: int, layer: LayerWeights, x: torch.Tensor, batch: ForwardBatch, kv_cache: KVCacheTensors
+        self, layer_idx: int, layer: LayerWeights, x: torch.Tensor, batch: ForwardBatch, kv_cache: KVCacheTensors,
+        rotary_rows: dict[str, torch.Tensor],
     ) -> torch.Tensor:
+        """`rotary_rows`: each token's row of each rotary table `[num_tokens]`, by table key."""
         shape, features = self.shape, self.features
         key_cache, value_cache = kv_cache.key[layer_idx], kv_cache.value[layer_idx]
         cache_reads = self.backend.attention_reads(key_cache, value_cache, batch.attention)
@@ -144,7 +158,7 @@ class LlamaModel:
             self.backend.store_kv(k, v, key_cache, value_cache, batch.slot_mapping)
         else:
             rotary = self.rotary[rope_key]
-            self.backend.rotary_store_kv(qkv, batch.positions, rotary.cos, rotary.sin, key_cache, value_cache,
+            self.backend.rotary_store_kv(qkv, rotary_rows[rope_key], rotary.cos, rotary.sin, key_cache, value_cache,
                                          batch.slot_mapping, shape.num_heads, shape.num_kv_heads)
         q = qkv[:, : shape.q_size].unflatten(-1, (shape.num_heads, shape.head_dim))
         attended = self.backend.paged_attention(q, key_cache, value_cache, batch.attention, features.attention_scale,

@@ -1,22 +1,43 @@
 """Sampling: the logits chain, per-request sampling state, schema constraints, watermark, stop
 criteria, incremental detokenisation and chat prompts. Engine-independent: tensors and tokenizers in,
-token ids and text out."""
-from lora_runtime.sampling.chat import render_chat_prompt
-from lora_runtime.sampling.sampler import SampleResult, Sampler, SamplingState, TokenizerInfo, next_token_logprobs, prompt_logprobs
-from lora_runtime.sampling.schema import schema_from_response_format
-from lora_runtime.sampling.stop import StopCriteria
-from lora_runtime.sampling.watermark import WatermarkDetection, detect_watermark
+token ids and text out.
 
-__all__ = [
-    "SampleResult",
-    "Sampler",
-    "SamplingState",
-    "StopCriteria",
-    "TokenizerInfo",
-    "WatermarkDetection",
-    "detect_watermark",
-    "next_token_logprobs",
-    "prompt_logprobs",
-    "render_chat_prompt",
-    "schema_from_response_format",
-]
+Names are imported on first use (PEP 562), so that the torch-free modules the contract re-exports
+(`tools`, `response_format`) import without the sampler and torch."""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lora_runtime.sampling.chat import render_chat_prompt
+    from lora_runtime.sampling.response_format import schema_from_response_format
+    from lora_runtime.sampling.sampler import (SampleResult, Sampler, SamplingState, TokenizerInfo,
+                                               next_token_logprobs, prompt_logprobs)
+    from lora_runtime.sampling.stop import StopCriteria
+    from lora_runtime.sampling.watermark import WatermarkDetection, detect_watermark
+
+# Each public name -> the module that defines it.
+_HOMES = {
+    "SampleResult": "lora_runtime.sampling.sampler",
+    "Sampler": "lora_runtime.sampling.sampler",
+    "SamplingState": "lora_runtime.sampling.sampler",
+    "StopCriteria": "lora_runtime.sampling.stop",
+    "TokenizerInfo": "lora_runtime.sampling.sampler",
+    "WatermarkDetection": "lora_runtime.sampling.watermark",
+    "detect_watermark": "lora_runtime.sampling.watermark",
+    "next_token_logprobs": "lora_runtime.sampling.sampler",
+    "prompt_logprobs": "lora_runtime.sampling.sampler",
+    "render_chat_prompt": "lora_runtime.sampling.chat",
+    "schema_from_response_format": "lora_runtime.sampling.response_format",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'lora_runtime.sampling' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value  # later reads skip this function
+    return value

@@ -13,6 +13,7 @@ nothing for it.
 """
 from __future__ import annotations
 
+import contextlib
 import random
 from collections import Counter
 from collections.abc import Sequence
@@ -23,9 +24,11 @@ import torch
 
 import kernels
 from lora_runtime.core import SamplingParams
+from lora_runtime.detokenizer import TokenTexts
 from lora_runtime.errors import ValidationError
 from lora_runtime.sampling.processors import RowSettings, apply_logits_chain
 from lora_runtime.sampling.schema import SchemaCompiler, SchemaMatcher
+from lora_runtime.step_timing import StepTimes
 
 _SEED_MODULUS = 2**64  # torch generators take unsigned 64-bit seeds
 _ONE = torch.ones(1)
@@ -39,11 +42,12 @@ class TokenizerInfo:
     compiler is built on first use, since wrapping the tokenizer for llguidance costs about a second.
     """
 
-    __slots__ = ("tokenizer", "vocab_size", "eos_token_ids", "_schema_compiler")
+    __slots__ = ("tokenizer", "token_texts", "vocab_size", "eos_token_ids", "_schema_compiler")
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
         assert eos_token_ids, "a model needs at least one EOS id"
         self.tokenizer = tokenizer
+        self.token_texts = TokenTexts(tokenizer)  # shared by the requests' detokenizers
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self._schema_compiler: SchemaCompiler | None = None
@@ -173,7 +177,12 @@ class SampleResult:
 
 
 class Sampler:
-    """Chooses the next token of every row of a batch; stateless, all state is in SamplingState."""
+    """Chooses the next token of every row of a batch; stateless, all state is in SamplingState.
+    `step_times`, when given, gets the time of the vocabulary-wide reduction, which runs on every
+    compute thread, as its own phase."""
+
+    def __init__(self, step_times: StepTimes | None = None) -> None:
+        self._step_times = step_times
 
     def sample(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SampleResult:
         """`logits` [num_rows, vocab] (any float dtype, any device), row i belongs to `states[i]`.
@@ -184,7 +193,8 @@ class Sampler:
         scores = apply_logits_chain(logits, settings)
         # Greedy for every row (sampled rows are replaced below), and the log-softmax normaliser of
         # each row for the chosen token's logprob, both in float32.
-        _, token_ids, log_normaliser = kernels.backend_for(scores.device).max_logsumexp(scores)
+        with self._phase("sample_reduce"):
+            _, token_ids, log_normaliser = kernels.backend_for(scores.device).max_logsumexp(scores)
         # A row holding a NaN or +inf (or nothing but -inf) has no finite normaliser: its token is
         # meaningless (the greedy index may even lie past the vocabulary), so it draws token 0 instead
         # of failing the batch with torch's text, and the engine fails that request alone by `finite`.
@@ -201,6 +211,9 @@ class Sampler:
         top = _top_of_rows(scores, log_normaliser, [state.params.top_logprobs for state in states])
         token_list, logprob_list, finite_list = _read_rows(token_ids, chosen, finite)
         return SampleResult(token_ids=token_list, logprobs=logprob_list, top=top, finite=finite_list)
+
+    def _phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        return self._step_times.phase(name) if self._step_times is not None else contextlib.nullcontext()
 
 
 def _read_rows(token_ids: torch.Tensor, logprobs: torch.Tensor,

@@ -53,6 +53,10 @@ def cluster_parser(prog: str = "python -m server.cluster") -> argparse.ArgumentP
     cluster.add_argument("--replica-cpus", type=float, default=0.0,
                          help="CPUs Ray reserves for each engine replica (default 0: none, so that N replicas "
                               "start on a machine with fewer CPUs)")
+    cluster.add_argument("--stream-interval", type=int, default=1,
+                         help="generated tokens a replica sends the ingress in one message (default 1: each as it "
+                              "comes; N: the first at once, then N at a time, each still its own event to the "
+                              "client, for less CPU per token in the cluster's messaging)")
     return parser
 
 
@@ -75,6 +79,8 @@ def application(args: argparse.Namespace, replicas_on_this_machine: bool | None 
     runs on a set of this machine's cores of its own (ValueError past one replica per core)."""
     if args.replicas < 1:
         raise ValueError("--replicas must be >= 1")
+    if args.stream_interval < 1:
+        raise ValueError("--stream-interval must be >= 1")
     if replicas_on_this_machine is None:
         replicas_on_this_machine = args.address is None
     core_sets = _replica_core_sets(args.replicas) if replicas_on_this_machine else None
@@ -97,7 +103,7 @@ def application(args: argparse.Namespace, replicas_on_this_machine: bool | None 
         EngineReplica, num_replicas=args.replicas, max_ongoing_requests=config.max_in_flight,
         max_queued_requests=ingress_config.max_in_flight, ray_actor_options={"num_cpus": args.replica_cpus},
         graceful_shutdown_timeout_s=config.shutdown_deadline_s + _SHUTDOWN_MARGIN_S,
-    ).bind(config, engine, directory, core_sets)
+    ).bind(config, engine, directory, core_sets, args.stream_interval)
     return serve.deployment(
         Ingress, max_ongoing_requests=ingress_config.max_in_flight + _CONTROL_HEADROOM,
         ray_actor_options={"num_cpus": 0},

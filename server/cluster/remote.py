@@ -12,6 +12,7 @@ replica that died or cannot be reached -> 503 before the first byte, an error ev
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -24,7 +25,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from lora_runtime.api import (AdapterRequest, CacheScope, EngineError, EngineInfo, EngineStats,
                               RequestOutput, SamplingParams)
-from server.cluster.wire import Accepted, Failed, ReplicaReport, adapter_model_id
+from server.cluster.wire import Accepted, Failed, Outputs, ReplicaReport, adapter_model_id
 
 logger = logging.getLogger(__name__)
 # How often the ingress reads the replicas' reports, and how old a report may be before its replica
@@ -64,13 +65,15 @@ async def _next_item(response: DeploymentResponseGenerator) -> object:
 
 
 class RemoteStream:
-    """One request's outputs as its replica yields them (`EngineStream`)."""
+    """One request's outputs as its replica yields them (`EngineStream`), one at a time from the
+    messages that carry several."""
 
     def __init__(self, response: DeploymentResponseGenerator, accepted: Accepted) -> None:
         self.request_id = accepted.request_id
         self.replica_id: str | None = accepted.replica_id
         self._response = response
-        self._done = False
+        self._done = False  # the replica has nothing more to send (or the request was cancelled)
+        self._ready: collections.deque[RequestOutput] = collections.deque()  # received, not yet read
         self._latest: RequestOutput | None = None
 
     @property
@@ -81,6 +84,11 @@ class RemoteStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
+        if not self._ready:
+            await self._receive()
+        return self._ready.popleft()
+
+    async def _receive(self) -> None:
         if self._done:
             raise StopAsyncIteration
         try:
@@ -95,10 +103,10 @@ class RemoteStream:
         if isinstance(item, Failed):
             self._done = True
             raise item.error
-        assert isinstance(item, RequestOutput), f"unexpected item from a replica: {type(item).__name__}"
-        self._latest = item
-        self._done = item.finished
-        return item
+        assert isinstance(item, Outputs), f"unexpected item from a replica: {type(item).__name__}"
+        self._ready.extend(item.outputs)
+        self._latest = item.outputs[-1]
+        self._done = self._latest.finished
 
     async def abort(self) -> bool:
         """Cancel the request on its replica (Serve cancels the replica's generator) unless it ended."""

@@ -25,7 +25,7 @@ from lora_runtime.api import (AdapterRequest, CacheScope, EngineError, EngineInf
                               RequestOutput, SamplingParams)
 from server.adapter_sources import engine_adapter_sources
 from server.cluster.remote import REPORT_INTERVAL_S
-from server.cluster.wire import Accepted, Failed, ReplicaReport
+from server.cluster.wire import Accepted, Failed, Outputs, ReplicaReport
 from server.config import ServerConfig
 from server.cpu_placement import pin_this_process
 from server.db import open_database
@@ -38,9 +38,10 @@ class EngineReplica:
     """Deployed by `server.cluster.app` with `max_ongoing_requests` = the engine's admission bound."""
 
     async def __init__(self, config: ServerConfig, engine_config: EngineConfig, directory: DeploymentHandle,
-                       core_sets: tuple[tuple[int, ...], ...] | None = None) -> None:
+                       core_sets: tuple[tuple[int, ...], ...] | None = None, stream_interval: int = 1) -> None:
         self._publisher: asyncio.Task | None = None  # what `__del__` stops, also after a failed start
         self._engine: AsyncEngine | None = None
+        self._stream_interval = stream_interval  # outputs a message carries (but the first and the last)
         engine_config = _on_own_cores(engine_config, core_sets)
         database = open_database(config.resolved_database_url, other_metadata=[RegistryBase.metadata])
         engine = Engine.from_config(engine_config, adapter_sources=engine_adapter_sources(config, database))
@@ -58,10 +59,12 @@ class EngineReplica:
         return self._engine.info
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, adapter: AdapterRequest | None,
-                       cache_scope: CacheScope, final_only: bool) -> AsyncIterator[Accepted | Failed | RequestOutput]:
+                       cache_scope: CacheScope, final_only: bool) -> AsyncIterator[Accepted | Failed | Outputs]:
         """`Accepted` or `Failed`, then the request's outputs (the finished one alone with
-        `final_only`); a `Failed` ends it. Cancelled by the ingress (its client left), the request
-        is aborted in the engine."""
+        `final_only`): the first in a message of its own (the client's first token waits for no
+        other), then `stream_interval` a message, the last with what is left; a `Failed` ends it,
+        after the outputs held back. Cancelled by the ingress (its client left), the request is
+        aborted in the engine."""
         model_id = serve.get_multiplexed_model_id()
         if model_id:
             await self._note_adapter(model_id)
@@ -71,14 +74,21 @@ class EngineReplica:
         except EngineError as error:
             yield Failed(error)
             return
+        held: list[RequestOutput] = []
         try:
             yield Accepted(self.replica_id, stream.request_id)
+            is_first = True
             async for output in stream:
-                yield output
-        except EngineError as error:
-            yield Failed(error)
-        except Exception as error:  # not the engine's own type: its message, as the single server answers it
-            yield Failed(RequestAbortedError(f"the engine failed the request: {error}"))
+                held.append(output)
+                if is_first or output.finished or len(held) == self._stream_interval:
+                    yield Outputs(tuple(held))
+                    held.clear()
+                    is_first = False
+        except Exception as error:
+            if held:
+                yield Outputs(tuple(held))
+            yield Failed(error if isinstance(error, EngineError)  # else its message, as the single server's
+                         else RequestAbortedError(f"the engine failed the request: {error}"))
         finally:
             await stream.abort()  # a no-op once it ended; the ingress's cancel arrives here too
 

@@ -1,13 +1,13 @@
-"""What crosses between the ingress and an engine replica besides `RequestOutput`s: the replica's
-first word on a request (accepted, and by whom, or refused with the engine's error), a failure
-after that, the replica's published state, and the multiplexed model id that names an adapter."""
+"""What crosses between the ingress and an engine replica: the replica's first word on a request
+(accepted, and by whom, or refused with the engine's error), its outputs, a failure after that, the
+replica's published state, and the multiplexed model id that names an adapter."""
 from __future__ import annotations
 
 import hashlib
 import json
 from dataclasses import dataclass
 
-from lora_runtime.api import AdapterKey, EngineError, EngineStats
+from lora_runtime.api import AdapterKey, EngineError, EngineStats, RequestOutput
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,6 +16,14 @@ class Accepted:
 
     replica_id: str
     request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Outputs:
+    """The request's outputs that were ready when the replica sent (one or more, in order): one Ray
+    message for them all, where a busy ingress or replica would otherwise send one a token."""
+
+    outputs: tuple[RequestOutput, ...]
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,8 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from lora_runtime.api import RequestOutput, SamplingParams, TokenInfo, TopToken
-from lora_runtime.sampling.tools import TOOL_CALL_FORMATS
+from lora_runtime.api import TOOL_CALL_FORMATS, RequestOutput, SamplingParams, TokenInfo, TopToken
 from server.errors import ApiError, openai_error_body
 from server.openai_api.tool_calls import ParsedCall, ParsedReply, new_call_id, parse_reply
 from server.responses import finite, sse_event

@@ -12,8 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from lora_runtime.api import AdapterRequest, SamplingParams, ValidationError
-from lora_runtime.sampling.schema import schema_from_response_format
+from lora_runtime.api import AdapterRequest, SamplingParams, ValidationError, schema_from_response_format
 from server.config import ServerConfig
 from server.deployments import Deployment
 from server.openai_api.protocol import (

@@ -9,7 +9,7 @@ import json
 import uuid
 from dataclasses import dataclass
 
-from lora_runtime.sampling.tools import ToolCallFormat
+from lora_runtime.api import ToolCallFormat
 
 _DECODER = json.JSONDecoder()
 

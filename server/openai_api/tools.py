@@ -17,8 +17,7 @@ from typing import Any
 import jsonschema
 import llguidance
 
-from lora_runtime.api import ToolCalling, ValidationError
-from lora_runtime.sampling.schema import JSON_COMPILE_OPTIONS
+from lora_runtime.api import JSON_COMPILE_OPTIONS, ToolCalling, ValidationError
 from server.openai_api.protocol import ChatCompletionRequest
 
 MAX_TOOLS = 128

@@ -26,6 +26,9 @@ if importlib.util.find_spec("ray") is None:  # the cluster extra (pip install .[
 GROUP = pytest.mark.xdist_group("cluster")
 BUCKET = "cluster-registry"
 MAX_IN_FLIGHT = 4  # per replica: small, so that the tests can fill a replica
+# Outputs a replica sends in one message: above one, so that every streaming test here reads the
+# ingress's unpacking of messages that carry several tokens.
+STREAM_INTERVAL = 3
 ADAPTERS = ("a0", "a1", "a2", "a3")
 
 
@@ -96,7 +99,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     args = cluster_parser().parse_args([
         "--replicas", "2", "--threads-per-replica", "1", "--dtype", "float32", "--port", str(port),
         "--data-dir", str(root / "data"), "--database-url", postgres.url, "--registry-bucket", BUCKET,
-        "--s3-endpoint", s3.endpoint_url, "--max-in-flight", str(MAX_IN_FLIGHT), "--shutdown-deadline", "2"])
+        "--s3-endpoint", s3.endpoint_url, "--max-in-flight", str(MAX_IN_FLIGHT), "--shutdown-deadline", "2",
+        "--stream-interval", str(STREAM_INTERVAL)])
     ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": credentials},
              logging_level="warning", log_to_driver=False)
     try:

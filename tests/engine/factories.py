@@ -101,10 +101,15 @@ FAMILY_CONFIGS = {"qwen3": _qwen3, "granite": _granite, "olmo2": _olmo2, "smollm
 
 def save_tiny_model(model_type: str, directory: Path):
     """Create, save (safetensors) and return a random HF model in float32."""
+    return save_random_model(tiny_config(model_type), directory)
+
+
+def save_random_model(config, directory: Path):
+    """Create, save (safetensors) and return a random HF model of `config` in float32."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(1234)
-    model = AutoModelForCausalLM.from_config(tiny_config(model_type), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # qwen2 biases start at zero; make them matter
         for name, param in model.named_parameters():
             if name.endswith("bias"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from lora_runtime.detokenizer import IncrementalDetokenizer
+from lora_runtime.detokenizer import IncrementalDetokenizer, TokenTexts
 
 TEXTS = [
     " leading space and  double  spaces",
@@ -37,3 +37,12 @@ def test_multibyte_character_is_held_until_complete(tokenizer) -> None:
     detokenizer = IncrementalDetokenizer(tokenizer, [1])
     pieces = [detokenizer.add_token(token_id) for token_id in generated]
     assert pieces[:-1] == [""] * (len(generated) - 1) and pieces[-1] == "🌊"
+
+
+def test_token_texts_are_the_tokenizers_own_decode_of_each_token(tokenizer) -> None:
+    token_texts = TokenTexts(tokenizer)
+    ids = [*tokenizer("Émojis 🌊 café", add_special_tokens=False)["input_ids"], *tokenizer.all_special_ids]
+    for token_id in ids + ids:  # the second time from the texts kept
+        assert token_texts[token_id] == tokenizer.decode([token_id], skip_special_tokens=False)
+    shared = IncrementalDetokenizer(tokenizer, [1], token_texts=token_texts)
+    assert [shared.token_text(token_id) for token_id in ids] == [token_texts[token_id] for token_id in ids]

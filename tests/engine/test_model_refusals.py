@@ -27,13 +27,16 @@ def _config_only(tmp_path, config):
 
 @pytest.mark.parametrize("make_config,named", [
     (lambda: __import__("transformers").GPT2Config(n_layer=2), "'gpt2'"),
-    (lambda: __import__("transformers").LlamaConfig(**TINY_DIMS, rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
-     "'dynamic'"),
-    (lambda: __import__("transformers").Phi3Config(**TINY_DIMS, pad_token_id=0, rope_scaling={
-        "rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
-        "original_max_position_embeddings": 128}), "'longrope'"),
-    (lambda: __import__("transformers").Phi3Config(**TINY_DIMS, pad_token_id=0, partial_rotary_factor=0.5),
-     "partial_rotary_factor"),
+    (lambda: __import__("transformers").LlamaConfig(**TINY_DIMS, rope_parameters={
+        "rope_type": "proportional", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}), "'proportional'"),
+    (lambda: __import__("transformers").LlamaConfig(**TINY_DIMS, rope_parameters={
+        "rope_type": "axial", "rope_theta": 10000.0}), "'axial'"),
+    # LongRoPE only where HF's generate recomputes at its switch (Phi-3), not on Llama, whose does not.
+    (lambda: __import__("transformers").LlamaConfig(**TINY_DIMS, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+        "original_max_position_embeddings": 64}), "'longrope' is not supported for 'llama'"),
+    (lambda: __import__("transformers").LlamaConfig(**TINY_DIMS, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}), "partial_rotary_factor 0.5"),
     (lambda: __import__("transformers").Gemma2Config(**TINY_DIMS, hidden_activation="relu", pad_token_id=0), "'relu'"),
     (lambda: __import__("transformers").Qwen3Config(**{**TINY_DIMS, "num_hidden_layers": 2}, sliding_window=4,
                                                    use_sliding_window=True,

@@ -1,5 +1,5 @@
 """The layers hold: `server/` imports of the runtime only its contract (`lora_runtime.api`,
-`lora_runtime.adapter_files`; structured output's grammar; the modules that build the engine, listed
+`lora_runtime.adapter_files`; the modules that build the engine, listed
 in `tests/wiring/layers.py` with why), `kernels/` imports nothing above it, the runtime nothing of the
 server, no product code imports `benchmarks/` or `tests/`, and no benchmark imports `tests/`. The negative tests show the checker
 refusing each kind of forbidden import written into a file."""
@@ -25,6 +25,7 @@ def test_every_listed_entry_point_exists() -> None:
     ("server/routes/service.py", "from lora_runtime.engine import Engine", "not the runtime's contract"),
     ("server/routes/service.py", "from lora_runtime import AsyncEngine", "not the runtime's contract"),
     ("server/serving.py", "    from lora_runtime.adapters.manager import AdapterManager", "not the runtime's contract"),
+    ("server/openai_api/tools.py", "from lora_runtime.sampling.schema import JSON_COMPILE_OPTIONS", "not the runtime's contract"),
     ("kernels/linear.py", "import lora_runtime.config", "a layer above them"),
     ("kernels/linear.py", "from server.errors import ApiError", "a layer above them"),
     ("lora_runtime/engine.py", "from server.errors import ApiError", "the layer above it"),

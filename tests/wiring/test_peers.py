@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import llama_cpp, peers
+from benchmarks import llama_cpp, peers, same_gguf
 
 
 def test_each_request_enables_its_own_adapter_and_zeroes_the_rest() -> None:
@@ -173,7 +173,29 @@ def test_peers_benchmark_end_to_end_on_a_tiny_workload() -> None:
     for outtype in ("f32", "bf16"):
         for workload in ("W", "base"):
             assert report["llama_cpp"][outtype][workload]["tokens"] == 2 * 3
+            assert report["ours_gguf"][outtype][workload]["tokens"] == 2 * 3
+        assert report["llama_cpp"][outtype]["base_1"]["tokens"] == report["ours_gguf"][outtype]["base_1"]["tokens"] == 3
+    assert report["file_ratios"]["f32"]["base_1"]["bf16"] == pytest.approx(
+        report["ours_gguf"]["f32"]["base_1"]["tokens_per_cpu_s"] / report["ours_gguf"]["bf16"]["base_1"]["tokens_per_cpu_s"])
     best_w = report["best_dtypes"]["llama_cpp_w"]
     expected = report["ours"]["W"]["tokens_per_cpu_s"] / report["llama_cpp"][best_w]["W"]["tokens_per_cpu_s"]
     assert report["ratios"]["ours_vs_llama_cpp_w"] == pytest.approx(expected)
     assert "peft" not in report and report["goals"]["ours_vs_peft_w"]["met"] is None
+
+
+def test_same_file_ratios_against_llama_cpp_and_ours_at_bf16() -> None:
+    def rates(w: float, base: float, base_1: float) -> dict:
+        return {"W": {"tokens_per_cpu_s": w}, "base": {"tokens_per_cpu_s": base}, "base_1": {"tokens_per_cpu_s": base_1}}
+
+    ours = {"bf16": rates(100.0, 200.0, 10.0), "q4_k_m": rates(150.0, 260.0, 30.0)}
+    llama = {"q4_k_m": rates(50.0, 130.0, 20.0)}  # bf16 not run by llama.cpp
+    ratios = same_gguf.file_ratios(ours, llama)
+    assert ratios["q4_k_m"]["base_1"] == {"llama.cpp": pytest.approx(1.5), "bf16": pytest.approx(3.0)}
+    assert ratios["q4_k_m"]["W"] == {"llama.cpp": pytest.approx(3.0), "bf16": pytest.approx(1.5)}
+    assert ratios["bf16"]["base"] == {"bf16": pytest.approx(1.0)}
+    goals = {(g["workload"], g["type"], g["over"]): g for g in same_gguf.check_file_goals(ratios)}
+    assert goals[("base_1", "q4_k_m", "bf16")]["met"] is True  # 3.0 >= 2.5
+    assert goals[("base", "q4_k_m", "llama.cpp")]["met"] is True  # 260 / 130 = 2.0 >= 1.5
+    assert goals[("W", "q4_k_m", "llama.cpp")]["met"] is False  # 3.0 < 4
+    assert goals[("base", "q8_0", "llama.cpp")] == {"workload": "base", "type": "q8_0", "over": "llama.cpp",
+                                                     "threshold": 1.5, "value": None, "met": None}

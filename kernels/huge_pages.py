@@ -31,7 +31,7 @@ def empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device) -> t
     """torch.empty(shape, dtype, device), uninitialised and contiguous; on a Linux CPU, a mapping of
     its own, advised for transparent huge pages before its first touch."""
     nbytes = math.prod(shape) * dtype.itemsize
-    if torch.device(device).type != "cpu" or not sys.platform.startswith("linux") or nbytes < HUGE_PAGE_BYTES:
+    if not _maps_its_own(nbytes, device):
         return torch.empty(shape, dtype=dtype, device=device)
     # Not torch.empty: the allocator may hand back memory an earlier tensor already faulted in with
     # 4 KB pages, which the advice no longer changes (twenty 12 MB copies made in turn that way got
@@ -45,6 +45,18 @@ def empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device) -> t
     except OSError:  # a kernel without transparent huge pages: plain pages, the same contents
         pass
     return raw[offset : offset + nbytes].view(dtype).view(shape)
+
+
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """torch.zeros(shape, dtype, device). Where `empty_on_huge_pages` maps memory of its own, the
+    kernel's pages are zero already and committed only as they are first written: a KV cache sized to
+    the memory left costs only what its requests use."""
+    tensor = empty_on_huge_pages(shape, dtype, device)
+    return tensor if _maps_its_own(math.prod(shape) * dtype.itemsize, device) else tensor.zero_()
+
+
+def _maps_its_own(nbytes: int, device) -> bool:
+    return torch.device(device).type == "cpu" and sys.platform.startswith("linux") and nbytes >= HUGE_PAGE_BYTES
 
 
 def copy_to_huge_pages(tensor: torch.Tensor) -> torch.Tensor:

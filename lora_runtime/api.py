@@ -21,7 +21,8 @@ from typing import Protocol
 
 from lora_runtime.adapters.merge_request import MAX_MERGED_ADAPTERS, MergedAdapters
 from lora_runtime.adapters.refs import (SOURCES, AdapterArgument, AdapterKey, AdapterRef, AdapterRequest,
-                                        AdapterSource, Caller, LocalSource, parse_adapter_ref)
+                                        AdapterSource, Caller, LocalSource, merged_id_ref,
+                                        parse_adapter_ref, parse_merged_ids)
 from lora_runtime.adapters.sources.ids import check_remote, infer_source
 from lora_runtime.core import (MAX_TOP_LOGPROBS, CacheScope, FinishReason, PrefillToken, RequestOutput,
                                SamplingParams, TokenInfo, ToolCalling, TopToken)
@@ -38,8 +39,8 @@ __all__ = [
     "AdapterSource", "AdapterUnavailableError", "BaseModelShape", "CacheScope", "Caller", "EngineBackend",
     "EngineError", "EngineInfo", "EngineStats", "EngineStream", "FinishReason", "LocalSource", "MergedAdapters",
     "NonFiniteLogitsError", "PrefillToken", "RequestAbortedError", "RequestOutput", "SamplingParams", "TokenInfo",
-    "ToolCallFormat", "ToolCalling", "TopToken", "ValidationError", "check_remote", "infer_source", "parse_adapter_ref",
-    "schema_from_response_format",
+    "ToolCallFormat", "ToolCalling", "TopToken", "ValidationError", "check_remote", "infer_source", "merged_id_ref",
+    "parse_adapter_ref", "parse_merged_ids", "schema_from_response_format",
 ]
 
 

@@ -13,8 +13,12 @@ QUANTIZATIONS: tuple[str, ...] = ("q8_0",)
 @dataclass(frozen=True, slots=True)
 class KVCacheConfig:
     """Paged KV cache capacity: `num_blocks` wins when given, else `memory_bytes` is divided into blocks.
-    On CUDA `memory_bytes` is not read: the cache takes what `gpu_memory_utilization` of the device
-    leaves once the weights and the adapter pool are placed (`lora_runtime/device_memory.py`).
+    On CPU `memory_bytes=None` sizes the cache from the memory left (`lora_runtime/memory_budget.py`):
+    `host_memory_utilization` of the memory available (`available_memory_bytes`, None: MemAvailable
+    and the cgroup's headroom, read at start) less the weights, the adapter pools and the overhead,
+    and no more than every sequence at full context uses. On CUDA `memory_bytes` is not read: the
+    cache takes what `gpu_memory_utilization` of the device leaves once the weights and the adapter
+    pool are placed (`lora_runtime/device_memory.py`).
 
     `enable_prefix_caching`: full blocks stay reusable after their request ends, found by a hash chain
     of their tokens and the adapter identity, so a request sharing a prefix with an earlier one (same
@@ -29,7 +33,9 @@ class KVCacheConfig:
 
     block_size_tokens: int = 16
     num_blocks: int | None = None
-    memory_bytes: int = 512 * 1024 * 1024
+    memory_bytes: int | None = None
+    host_memory_utilization: float = 0.9
+    available_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     share_base_prefix_cache: bool = False
@@ -38,6 +44,8 @@ class KVCacheConfig:
         assert self.block_size_tokens > 0, "block_size_tokens must be positive"
         assert self.num_blocks is None or self.num_blocks > 0, "num_blocks must be positive"
         assert 0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]"
+        assert 0.0 < self.host_memory_utilization <= 1.0, "host_memory_utilization must be in (0, 1]"
+        assert self.memory_bytes is None or self.memory_bytes > 0, "memory_bytes must be positive"
 
 
 @dataclass(frozen=True, slots=True)

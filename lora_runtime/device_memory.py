@@ -1,7 +1,7 @@
 """How many bytes the KV cache and the adapter pool take on the engine's device.
 
-On CPU the configured sizes (`KVCacheConfig.memory_bytes`, `AdapterConfig.device_pool_bytes`) are
-used as they are: memory is committed as pages are first touched, so a size is a ceiling.
+On CPU the adapter pool keeps its configured size and the KV cache's comes from the memory budget
+(`lora_runtime/memory_budget.py`): memory is committed as pages are first touched, so a size is a ceiling.
 On CUDA memory is claimed whole at start, and whatever is left unclaimed sits idle, so the sizes
 come from what the device has free once the weights are loaded (`torch.cuda.mem_get_info`): of
 `gpu_memory_utilization` of the device's total, whatever the weights, other processes and this

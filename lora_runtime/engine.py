@@ -33,6 +33,7 @@ from lora_runtime.errors import EngineError, NonFiniteLogitsError, ValidationErr
 from lora_runtime.gguf_model import is_gguf_file, load_gguf
 from lora_runtime.kv_cache import KVCacheManager
 from lora_runtime.loader import load_model
+from lora_runtime.memory_budget import MemoryBudget, memory_budget_for
 from lora_runtime.model_runner import ModelRunner, ModelRunnerOutput
 from lora_runtime.prefix_cache import kv_identity
 from lora_runtime.models.llama import LlamaModel
@@ -58,8 +59,12 @@ class Engine:
         tokenizer,
         model_name: str,
         adapter_sources: dict[str, AdapterSource] | None = None,
+        memory_budget: MemoryBudget | None = None,
     ) -> None:
-        config = sized_for_device(config)  # on CUDA the KV cache and adapter pool fill the free memory
+        if memory_budget is None:  # built from a model in hand: the budget of the checkpoint it came from
+            memory_budget = memory_budget_for(config, _model_location(config)[0], str(model.dtype).removeprefix("torch."))
+        self.memory_budget = memory_budget
+        config = _sized(config, memory_budget)
         self.config = config
         self.model_name = model_name
         self.tokenizer = tokenizer
@@ -90,14 +95,11 @@ class Engine:
         config = config or EngineConfig()
         num_threads, source = use_threads(config.num_threads)
         logger.info("compute threads: %d (%s)", num_threads, source)
-        if config.model is None:
-            model_dir, model_name = ensure_embedded_model(config.cache_dir), EMBEDDED_MODEL_NAME
-        else:
-            model_dir = Path(config.model).expanduser()
-            model_name = model_dir.name.lower()
+        model_dir, model_name = _model_location(config)
         backend = kernels.backend_for(config.device, config.kernel_backend)
         dtype, reason = resolve_dtype(config.dtype, config.device)
         logger.info("model %s in %s (%s), kernel backend %s", model_name, dtype, reason, backend.label)
+        memory_budget = memory_budget_for(config, model_dir, dtype)  # refuses a model that does not fit, unread
         if is_gguf_file(model_dir):
             if config.quantization is not None:
                 raise ValidationError("quantization", f"{model_dir.name} is a GGUF file: it keeps its own types")
@@ -105,7 +107,7 @@ class Engine:
         else:
             model = load_model(model_dir, dtype, config.device, backend, config.quantization)
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        return cls(config, model, tokenizer, model_name, adapter_sources)
+        return cls(config, model, tokenizer, model_name, adapter_sources, memory_budget)
 
     @property
     def max_model_len(self) -> int:
@@ -123,7 +125,8 @@ class Engine:
     @property
     def info(self) -> EngineInfo:
         return EngineInfo(self.model_name, self.max_model_len, self.config, self.dtype_name, self.kernel_backend,
-                          self.tokenizer, self.adapters.base_shape, self.adapters.limits, self.num_threads)
+                          self.tokenizer, self.adapters.base_shape, self.adapters.limits, self.num_threads,
+                          self.memory_budget)
 
     def add_request(
         self,
@@ -428,6 +431,22 @@ def _eos_token_ids(tokenizer, model_name: str) -> list[int]:
     if tokenizer.eos_token_id is None:
         raise ValidationError("model", f"{model_name}: the tokenizer defines no EOS token")
     return [tokenizer.eos_token_id]
+
+
+def _model_location(config: EngineConfig) -> tuple[Path, str]:
+    """The configured model's path (the embedded one's by default) and its name."""
+    if config.model is None:
+        return ensure_embedded_model(config.cache_dir), EMBEDDED_MODEL_NAME
+    model_dir = Path(config.model).expanduser()
+    return model_dir, model_dir.name.lower()
+
+
+def _sized(config: EngineConfig, budget: MemoryBudget | None) -> EngineConfig:
+    """`config` with its KV cache's bytes: the CPU budget's, or on CUDA what the device has free."""
+    if budget is None:
+        return sized_for_device(config)
+    logger.info("%s", budget.describe())
+    return dataclasses.replace(config, kv_cache=dataclasses.replace(config.kv_cache, memory_bytes=budget.kv_cache_bytes))
 
 
 def _num_kv_blocks(config: EngineConfig, model: LlamaModel) -> int:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lora_runtime.config import EngineConfig
+from lora_runtime.memory_budget import MemoryBudget
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,3 +63,4 @@ class EngineInfo:
     adapter_shape: BaseModelShape
     adapter_limits: AdapterLimits
     num_threads: int  # the engine's compute threads
+    memory_budget: MemoryBudget | None = None  # on CPU; None on CUDA (device_memory.py sizes it)

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lora_runtime.api import (AdapterRef, AdapterRequest, AdapterSource, AdapterUnavailableError, Caller,
-                              EngineInfo, LocalSource, MergedAdapters, ValidationError, infer_source,
-                              parse_adapter_ref)
+                              EngineInfo, LocalSource, MergedAdapters, ValidationError)
 from lora_runtime.adapters.peft_format import load_peft_adapter
 from lora_runtime.adapters.sources.download import AdapterStore
 from lora_runtime.adapters.sources.s3 import S3Config
@@ -113,7 +112,7 @@ class AdapterServices:
         created again never serves the old weights under the same `repo/N`. Blocks (database)."""
         if request is None:
             return None
-        blob_ids = [self._blob_id(request.caller.scope, ref) for ref in _pbase_refs(request.adapter)]
+        blob_ids = [self._blob_id(request.caller.scope, ref) for ref in _pbase_refs(request)]
         return dataclasses.replace(request, version_key=",".join(blob_ids)) if blob_ids else request
 
     def _blob_id(self, tenant: str, ref: AdapterRef) -> str:
@@ -132,13 +131,10 @@ class AdapterServices:
         return UploadService(self.registry, self.signer, upload_config, self.staging)
 
 
-def _pbase_refs(adapter: AdapterRef | MergedAdapters) -> list[AdapterRef]:
-    """The pbase references a request names: the adapter itself, or the pbase ids of a merge (a
-    merge carries its ids as strings)."""
-    if isinstance(adapter, MergedAdapters):
-        return [parse_adapter_ref(adapter_id, "pbase")
-                for adapter_id in adapter.ids if infer_source(adapter_id) == "pbase"]
-    return [adapter] if adapter.source == "pbase" else []
+def _pbase_refs(request: AdapterRequest) -> list[AdapterRef]:
+    """The pbase references a request names: the adapter itself, or those of a merge's parts."""
+    refs = request.parts if isinstance(request.adapter, MergedAdapters) else (request.adapter,)
+    return [ref for ref in refs if ref.source == "pbase"]
 
 
 def adapter_services(config: ServerConfig, database: Database, engine: EngineInfo) -> AdapterServices:

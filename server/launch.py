@@ -67,6 +67,10 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=_positive_int, default=None,
                         help="the engine's compute threads (default: OMP_NUM_THREADS where set, else one per "
                              "physical core this process may run on)")
+    parser.add_argument("--kv-cache-mib", type=_positive_int, default=None,
+                        help="memory of the KV cache (default on CPU: what the memory available leaves once "
+                             "the weights, the adapter pools and the overhead are counted; the budget is "
+                             "logged at start and shown in /info)")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="compute every prompt in full instead of reusing the K/V of a cached prefix")
     parser.add_argument("--share-base-prefix-cache", action="store_true",
@@ -175,7 +179,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     adapter_memory = {key: mib * 2**20 for key, mib in memory if mib is not None}
     adapter_config = AdapterConfig(**adapter_memory, allow_local_paths=False)
     kv_cache = KVCacheConfig(enable_prefix_caching=not args.no_prefix_caching,
-                             share_base_prefix_cache=args.share_base_prefix_cache)
+                             share_base_prefix_cache=args.share_base_prefix_cache,
+                             memory_bytes=args.kv_cache_mib * 2**20 if args.kv_cache_mib else None)
     return EngineConfig(**engine_options, adapters=adapter_config, kv_cache=kv_cache)
 
 

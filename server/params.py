@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lora_runtime.api import (MAX_TOP_LOGPROBS, AdapterRef, AdapterRequest, Caller, MergedAdapters, SamplingParams,
-                              ValidationError, check_remote, infer_source, parse_adapter_ref,
+                              ValidationError, check_remote, infer_source, merged_id_ref, parse_adapter_ref,
                               schema_from_response_format)
 from server.config import ServerConfig
 from server.errors import model_not_found
@@ -156,46 +156,39 @@ def adapter_reference(parameters: GenerateParameters | None, scope: AdapterScope
     if merged is not None and parameters.adapter_id:
         raise ValidationError("merged_adapters", "send either adapter_id or merged_adapters, not both")
     if merged is not None:
-        return AdapterRequest(_merged_adapters(merged, scope), Caller(scope.tenant, parameters.api_token))
+        return _merged_adapters(merged, scope, Caller(scope.tenant, parameters.api_token))
     if not parameters.adapter_id:
         return None
-    _refuse_unservable(parameters.adapter_id, parameters.adapter_source, scope, "adapter_id")
-    ref = _parse_ref(parameters.adapter_id, parameters.adapter_source)
+    ref = _servable_ref(parameters.adapter_id, parameters.adapter_source, scope, "adapter_id")
     return AdapterRequest(ref, Caller(scope.tenant, parameters.api_token if ref.source == "hub" else None))
 
 
-def _refuse_unservable(adapter_id: str, adapter_source: str | None, scope: AdapterScope, field: str) -> None:
-    """An id whose source is inferred as `hub` on a server that serves no hub adapters can be no
-    adapter at all (`pbase` and `s3` ids have their own forms; `local` is only ever asked for by
-    name): most often a model name typed out of habit (`llama-3-8b`), told so rather than 424 from a
-    hub that is not there. An explicit `adapter_source` is the source's to answer."""
-    if adapter_source or scope.hub_enabled or infer_source(adapter_id) != "hub":
-        return
-    # A malformed id (a way out, too long, control characters) is refused as such, and never quoted.
-    check_remote(adapter_id)
-    raise model_not_found(field, adapter_id, scope.deployment.base_model, scope.models_path)
-
-
-def _parse_ref(adapter_id: str, adapter_source: str | None) -> AdapterRef:
+def _servable_ref(adapter_id: str, adapter_source: str | None, scope: AdapterScope, field: str) -> AdapterRef:
+    """The id parsed, its source inferred once (when the request names none). An id inferred as
+    `hub` on a server that serves no hub adapters can be no adapter at all (`pbase` and `s3` ids have
+    their own forms; `local` is only ever asked for by name): most often a model name typed out of
+    habit (`llama-3-8b`), told so rather than 424 from a hub that is not there. An explicit
+    `adapter_source` is the source's to answer."""
+    source = adapter_source or infer_source(adapter_id)
+    if not adapter_source and source == "hub" and not scope.hub_enabled:
+        # A malformed id (a way out, too long, control characters) is refused as such, and never quoted.
+        check_remote(adapter_id)
+        raise model_not_found(field, adapter_id, scope.deployment.base_model, scope.models_path)
     # `local` only when asked for by name: the engine's local source refuses it unless the operator
     # configured an adapter directory.
-    return parse_adapter_ref(adapter_id, adapter_source or None, allow_local=adapter_source == "local")
+    return parse_adapter_ref(adapter_id, source, allow_local=adapter_source == "local")
 
 
-def _merged_adapters(merged: WireMergedAdapters, scope: AdapterScope) -> MergedAdapters:
+def _merged_adapters(merged: WireMergedAdapters, scope: AdapterScope, caller: Caller) -> AdapterRequest:
     described = {"merge_strategy": merged.merge_strategy, "density": merged.density,
                  "majority_sign_method": merged.majority_sign_method}
     # Its bounds first: a merge past them is refused before any of its ids is looked at.
     spec = MergedAdapters(ids=tuple(merged.ids),
                           weights=None if merged.weights is None else tuple(merged.weights),
                           **{name: value for name, value in described.items() if value is not None})
-    for adapter_id in spec.distinct_ids:
-        try:
-            _refuse_unservable(adapter_id, None, scope, "merged_adapters.ids")
-            _parse_ref(adapter_id, None)
-        except ValidationError as error:
-            raise ValidationError("merged_adapters.ids", error.message) from None
-    return spec
+    parts = tuple(merged_id_ref(lambda: _servable_ref(adapter_id, None, scope, "merged_adapters.ids"))
+                  for adapter_id in spec.distinct_ids)
+    return AdapterRequest(spec, caller, parts=parts)
 
 
 def adapter_headers(adapter: AdapterRequest | None) -> dict[str, str]:

@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from lora_runtime.adapters.merge import merge_lora_weights
 from lora_runtime.adapters.merge_request import MergedAdapters
 from lora_runtime.adapters.peft_format import load_peft_adapter
-from lora_runtime.adapters.refs import AdapterArgument, AdapterRef, AdapterRequest, AdapterSource, Caller, LocalSource, parse_adapter_ref
+from lora_runtime.adapters.refs import (AdapterArgument, AdapterRef, AdapterRequest, AdapterSource, Caller, LocalSource,
+                                        parse_adapter_ref, parse_merged_ids)
 from lora_runtime.adapters.weights import LoraWeights
 from lora_runtime.engine_info import AdapterLimits, BaseModelShape
 from lora_runtime.errors import AdapterInvalidError, ValidationError
@@ -58,21 +59,21 @@ class AdapterLoader:
             request = AdapterRequest(adapter, caller)
         if isinstance(request.adapter, AdapterRef) and request.adapter.source not in self.sources:
             raise ValidationError("adapter_source", f"source {request.adapter.source!r} is not configured")
+        if isinstance(request.adapter, MergedAdapters) and not request.parts:  # a library caller's merge
+            request = replace(request, parts=parse_merged_ids(request.adapter, self.allow_local_paths))
         return request
 
     def load(self, request: AdapterRequest) -> LoadedAdapter:
         """Fetch and read the request's adapter (a merge: each distinct id once, then merged)."""
         if isinstance(request.adapter, MergedAdapters):
             merge = request.adapter
-            parts = {adapter_id: self._read(request.part(adapter_id, self.allow_local_paths))[0]
-                     for adapter_id in merge.distinct_ids}
+            parts = {adapter_id: self._read(part)[0] for adapter_id, part in request.part_requests().items()}
             return LoadedAdapter(merge_lora_weights([parts[adapter_id] for adapter_id in merge.ids], merge))
         return LoadedAdapter(*self._read(request))
 
     def _read(self, request: AdapterRequest) -> tuple[LoraWeights, str | None]:
         ref = request.adapter
-        if not isinstance(ref, AdapterRef):
-            raise ValidationError("merged_adapters.ids", "a merge cannot contain another merge")
+        assert isinstance(ref, AdapterRef), "a merge's parts are references (AdapterRequest.parts)"
         source = self.sources.get(ref.source)
         if source is None:
             raise ValidationError("adapter_source", f"source {ref.source!r} is not configured")

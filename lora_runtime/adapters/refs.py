@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -87,11 +88,14 @@ class AdapterKey:
 @dataclass(frozen=True, slots=True)
 class AdapterRequest:
     """One request's adapter, parsed: a reference or a merge, the caller, and the content key the
-    server read for it (`version_key`, see `AdapterKey.version`)."""
+    server read for it (`version_key`, see `AdapterKey.version`). A merge's ids are parsed once,
+    where the request enters (`parse_merged_ids`), into `parts`: its distinct ids' references, in
+    `MergedAdapters.distinct_ids` order; the loader and the registry read them from there."""
 
     adapter: AdapterRef | MergedAdapters
     caller: Caller = Caller()
     version_key: str = ""
+    parts: tuple[AdapterRef, ...] = ()
 
     @property
     def key(self) -> AdapterKey:
@@ -102,9 +106,10 @@ class AdapterRequest:
         return AdapterKey(self.adapter.source, self.caller.scope, self.caller.credential, self.version_key,
                           self.adapter.identity)
 
-    def part(self, adapter_id: str, allow_local: bool) -> AdapterRequest:
-        """The request for one id of this merge, for the same caller."""
-        return AdapterRequest(parse_adapter_ref(adapter_id, allow_local=allow_local), self.caller)
+    def part_requests(self) -> dict[str, AdapterRequest]:
+        """A merge's distinct ids -> the request for each, for the same caller."""
+        assert isinstance(self.adapter, MergedAdapters) and len(self.parts) == len(self.adapter.distinct_ids)
+        return {ref.adapter_id: AdapterRequest(ref, self.caller) for ref in self.parts}
 
 
 # What a library caller may name as a request's adapter: an id (a local path works), a parsed
@@ -139,6 +144,21 @@ def parse_adapter_ref(
     source = adapter_source or _infer_source(adapter_id, allow_local)
     parsers = {"pbase": _parse_pbase, "hub": _parse_hub, "s3": _parse_s3, "local": _parse_local}
     return parsers[source](adapter_id)
+
+
+def parse_merged_ids(merge: MergedAdapters, allow_local: bool = False) -> tuple[AdapterRef, ...]:
+    """A merge's distinct ids parsed, as `AdapterRequest.parts` holds them; a bad id is refused naming
+    `merged_adapters.ids`."""
+    return tuple(merged_id_ref(lambda: parse_adapter_ref(adapter_id, allow_local=allow_local))
+                 for adapter_id in merge.distinct_ids)
+
+
+def merged_id_ref(parse: Callable[[], AdapterRef]) -> AdapterRef:
+    """`parse()`, the reference of one id of a merge, its ValidationError renamed to the merge's field."""
+    try:
+        return parse()
+    except ValidationError as error:
+        raise ValidationError("merged_adapters.ids", error.message) from None
 
 
 def _infer_source(adapter_id: str, allow_local: bool) -> str:

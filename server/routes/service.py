@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
+from lora_runtime.api import EngineInfo
 from server.auth import authenticate
 from server.errors import error_body, forbidden
 from server.metrics import CONTENT_TYPE
@@ -35,6 +36,17 @@ class Limits(BaseModel):
     max_best_of: int
 
 
+class MemoryBudget(BaseModel):
+    """The engine's host memory budget, made at start (lora_runtime/memory_budget.py), in bytes."""
+
+    weights_bytes: int
+    kv_cache_bytes: int
+    adapter_pool_bytes: int  # the device pool and the host cache of adapters, both ceilings
+    overhead_bytes: int  # the runtime, a step's activations, the rotary tables
+    total_bytes: int
+    available_bytes: int  # the memory available to the process when the budget was made
+
+
 class Runtime(BaseModel):
     """How the engine computes: its dtype (resolved when configured "auto"), kernel backend, compute
     threads and the CPUs they run on; the memory of its adapter tiers."""
@@ -48,6 +60,7 @@ class Runtime(BaseModel):
     # list where they share); null where this process does not place them (a cluster's ingress).
     engine_cpus: list[int] | None = None
     service_cpus: list[int] | None = None
+    memory_budget: MemoryBudget | None = None  # null on CUDA, where the device's free memory sizes the cache
 
 
 class Info(BaseModel):
@@ -100,9 +113,19 @@ async def info(request: Request) -> Info:
     runtime = Runtime(dtype=engine.dtype_name, kernel_backend=engine.kernel_backend, threads=engine.num_threads,
                       adapter_pool_bytes=adapters.device_pool_bytes, adapter_host_cache_bytes=adapters.host_cache_bytes,
                       engine_cpus=list(placement.engine_cpus) if placement else None,
-                      service_cpus=list(placement.service_cpus) if placement else None)
+                      service_cpus=list(placement.service_cpus) if placement else None,
+                      memory_budget=_memory_budget(engine))
     return Info(version=_version(), tenant=tenant, base_models=[state.model_name],
                 deployments=deployments, limits=limits, runtime=runtime)
+
+
+def _memory_budget(engine: EngineInfo) -> MemoryBudget | None:
+    budget = engine.memory_budget
+    if budget is None:
+        return None
+    return MemoryBudget(weights_bytes=budget.weights_bytes, kv_cache_bytes=budget.kv_cache_bytes,
+                        adapter_pool_bytes=budget.adapter_pool_bytes, overhead_bytes=budget.overhead_bytes,
+                        total_bytes=budget.total_bytes, available_bytes=budget.available_bytes)
 
 
 @router.get("/metrics", response_class=Response,

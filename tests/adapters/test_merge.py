@@ -15,9 +15,12 @@ from peft import LoraConfig, PeftModel
 from peft.tuners.lora import LoraLayer
 
 from lora_runtime.adapters import AdapterLimits, LoraWeights, MergedAdapters, load_peft_adapter
+from lora_runtime.adapters.loader import AdapterLoader
 from lora_runtime.adapters.merge import merge_lora_weights
 from lora_runtime.adapters.merge_request import MAX_MERGE_WEIGHT, MAX_MERGED_ADAPTERS
+from lora_runtime.adapters.refs import AdapterRef
 from lora_runtime.adapters.weights import LoraModuleWeights
+from lora_runtime.engine_info import BaseModelShape
 from lora_runtime.errors import AdapterIncompatibleError, ValidationError
 from tests.adapters.peft_factory import peft_model, randomize_lora, save_adapter, tiny_shape
 
@@ -197,3 +200,17 @@ def test_merged_factors_that_overflow_are_refused_with_a_typed_error() -> None:
     with pytest.raises(AdapterIncompatibleError, match=overflow) as raised:
         merge_lora_weights(adapters, MergedAdapters(["x", "y"], [MAX_MERGE_WEIGHT, 1.0]))
     assert raised.value.error_type == "adapter_incompatible"
+
+
+def test_a_library_callers_merge_is_parsed_once_where_it_enters(tmp_path: Path) -> None:
+    """The loader's `parse` gives a merge its parts (local directories here), which its load reads;
+    a bad id is refused there, naming the merge's field."""
+    loader = AdapterLoader(BaseModelShape("tiny", 1, {}), AdapterLimits(), {}, allow_local_paths=True)
+    (tmp_path / "a").mkdir()
+    request = loader.parse(MergedAdapters([str(tmp_path / "a"), "org/b", str(tmp_path / "a")]))
+    assert request.parts == (AdapterRef("local", str(tmp_path / "a"), str(tmp_path / "a")),
+                             AdapterRef("hub", "org/b", "org/b"))
+    assert loader.parse(request) is request  # parts already parsed are kept, not parsed again
+    with pytest.raises(ValidationError) as refused:
+        loader.parse(MergedAdapters(["a/1", "bad\nid"]))
+    assert refused.value.field == "merged_adapters.ids"

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from lora_runtime.adapters import MergedAdapters
-from lora_runtime.adapters.refs import AdapterRequest, Caller, parse_adapter_ref
+from lora_runtime.adapters.refs import AdapterRequest, Caller, parse_adapter_ref, parse_merged_ids
 from lora_runtime.errors import AdapterNotFoundError
 from server.adapter_sources import AdapterServices
 from server.registry.service import AdapterRegistry
@@ -30,7 +30,12 @@ def _requests(tenant: str) -> list[AdapterRequest]:
     caller = Caller(scope=tenant)
     return [AdapterRequest(parse_adapter_ref("news/1"), caller),
             AdapterRequest(parse_adapter_ref("news/1@1"), caller),
-            AdapterRequest(MergedAdapters(ids=("news/2", "news/1")), caller)]
+            _merged_request(MergedAdapters(ids=("news/2", "news/1")), caller)]
+
+
+def _merged_request(merge: MergedAdapters, caller: Caller) -> AdapterRequest:
+    """A merge's request as the service builds it: its ids parsed once, into its parts."""
+    return AdapterRequest(merge, caller, parts=parse_merged_ids(merge))
 
 
 def test_an_archived_version_is_not_served_until_unarchived(

@@ -120,6 +120,8 @@ def test_adapter_fields_become_a_tenant_scoped_adapter_request() -> None:
     merged = _adapter({"merged_adapters": {"ids": ["a/1", "org/b"], "weights": [0.5, 2],
                                            "merge_strategy": "ties", "density": 0.5}})
     assert merged.adapter == MergedAdapters(("a/1", "org/b"), (0.5, 2.0), "ties", 0.5, "total")
+    # The merge's ids are parsed here, once, into the parts the loader and the registry read.
+    assert merged.parts == (AdapterRef("pbase", "a/1", "a", 1), AdapterRef("hub", "org/b", "org/b"))
     assert pbase.key != _adapter({"adapter_id": "repo/1@3"}, tenant="other").key
 
 

@@ -9,9 +9,9 @@ gguf package quantizes Q8_0, Q4_0 and Q4_1 only), both served as they are
 median run is kept; tokens per CPU-second and the ratio against bf16 are printed for each number of
 concurrent requests, the last line one JSON object.
 
-`--kernels`: the compiled matmul over quantized blocks (`kernels.linear.QuantizedLinear`, both of its
-paths, with and without VNNI) against the bf16 compiled matmul, on one projection shape at 1-64
-rows: the measurement behind `tuning.QUANTIZED_INT8_MAX_ROWS`.
+`--kernels`: the compiled matmuls over quantized blocks (int8 dot products with and without VNNI, and
+the weights widened to bf16 inside the tiles) against the bf16 compiled matmul, on one projection
+shape at 1-64 rows: the measurement behind `tuning.QUANTIZED_INT8_MAX_ROWS`.
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, de
 
 from benchmarks.engine import NO_PREFIX_CACHE, make_prompts, median_of_interleaved, run_ours
 from kernels import cpu_ops, tuning
-from kernels.linear import QuantizedLinear, linear_packed, pack_linear_weight
-from kernels.quantized import BLOCK_TYPES, QuantizedTensor, QuantizedWeight
+from kernels.linear import linear_packed, pack_linear_weight
+from kernels.quantized import BLOCK_TYPES, QuantizedTensor
 from lora_runtime import Engine, EngineConfig
 from lora_runtime.embedded import default_cache_dir, ensure_embedded_model, gguf_path
 
@@ -111,7 +111,10 @@ def _time_per_call(run, repeats: int = 20) -> float:
 
 
 def run_kernels(out_features: int = 1536, in_features: int = 1536) -> dict:
-    """µs per call of one projection: bf16 compiled matmul, and Q8_0 / Q4_K QuantizedLinear."""
+    """µs per call of one projection at 1-64 rows: the bf16 compiled matmul, and each of the compiled
+    paths over Q8_0 and Q4_K blocks (int8 dot products with and without VNNI, the widened tiles), called
+    directly whatever `tuning.QUANTIZED_INT8_MAX_ROWS` says."""
+    ops = cpu_ops.ops()
     dense = torch.randn(out_features, in_features) * 0.02
     packed = pack_linear_weight(dense.bfloat16())
     weights = {}
@@ -120,15 +123,19 @@ def run_kernels(out_features: int = 1536, in_features: int = 1536) -> dict:
         if blocks is None:  # gguf cannot quantize K-quants: random valid blocks of the same size
             block = BLOCK_TYPES[name]
             blocks = np.random.default_rng(0).integers(0, 16, (out_features, in_features // block.block_elements * block.block_bytes), dtype=np.uint8)
-        weights[name] = QuantizedLinear(QuantizedWeight.of([QuantizedTensor(BLOCK_TYPES[name], torch.from_numpy(blocks), in_features)]))
+        weights[name] = QuantizedTensor(BLOCK_TYPES[name], torch.from_numpy(blocks), in_features)
     report = {}
     for rows in (1, 4, 16, 32, 64):
         x = torch.randn(rows, in_features).bfloat16()
+        out = torch.empty(rows, out_features, dtype=torch.bfloat16)
         figures = {"bf16": _time_per_call(lambda: linear_packed(x, packed))}
-        for name, weight in weights.items():
-            figures[name] = _time_per_call(lambda: weight(x))
+        for name, tensor in weights.items():
+            figures[f"{name}_int8"] = _time_per_call(lambda: ops.quantized_linear(out, x, tensor.data, tensor.block_type.ggml_type))
             with cpu_ops.without_vnni():
-                figures[f"{name}_no_vnni"] = _time_per_call(lambda: weight(x))
+                figures[f"{name}_int8_no_vnni"] = _time_per_call(
+                    lambda: ops.quantized_linear(out, x, tensor.data, tensor.block_type.ggml_type))
+            figures[f"{name}_widened"] = _time_per_call(
+                lambda: ops.quantized_linear_widened(out, x, tensor.data, tensor.block_type.ggml_type))
         report[rows] = {name: seconds * 1e6 for name, seconds in figures.items()}
         logger.info("%d rows: %s (µs per call; int8 path up to %d rows)", rows,
                     ", ".join(f"{n} {us:.0f}" for n, us in report[rows].items()), tuning.QUANTIZED_INT8_MAX_ROWS)

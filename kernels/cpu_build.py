@@ -16,7 +16,7 @@ CSRC = Path(__file__).resolve().with_name("csrc")
 
 # Sources of every form's library; bindings.cpp alone makes the Python extension `kernels._cpu_ops`.
 FORM_SOURCES = ("attention.cpp", "elementwise.cpp", "reductions.cpp", "lora.cpp", "linear.cpp",
-                "amx_linear.cpp", "peak.cpp", "table.cpp", "quantized.cpp")
+                "amx_linear.cpp", "peak.cpp", "table.cpp", "quantized.cpp", "quantized_tiles.cpp")
 BINDINGS_SOURCES = ("bindings.cpp",)
 # The bindings split each op over PyTorch's thread pool with `at::parallel_for`, which PyTorch's CPU
 # wheel inlines from its headers as an OpenMP parallel region: compiled without -fopenmp the pragma is

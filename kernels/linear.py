@@ -108,8 +108,9 @@ class QuantizedLinear:
     """A quantized weight multiplied by the compiled CPU ops over its blocks (kernels/csrc/quantized.cpp):
     batches of up to `tuning.QUANTIZED_INT8_MAX_ROWS` rows by int8 dot products (x quantized per 32
     elements to int8 on the fly: `kernels.reference.quantized_linear` within x's quantization error),
-    larger ones by each part widened to x's dtype once per call and the library matmul (the widening
-    then costs a small share of the call). Only the blocks stay resident."""
+    larger bf16 ones by the weights widened to bf16 32 rows at a time inside the compiled tiles
+    (kernels/csrc/quantized_tiles.cpp), larger float32 ones by each part widened once per call for the
+    library matmul. Only the blocks stay resident."""
 
     __slots__ = ("weight", "bias")
 
@@ -131,6 +132,9 @@ def _multiply_part(x: torch.Tensor, part: QuantizedTensor, out: torch.Tensor) ->
     ops = cpu_ops.ops()
     if x.shape[0] <= tuning.QUANTIZED_INT8_MAX_ROWS or x.dtype not in (torch.float32, torch.bfloat16):
         ops.quantized_linear(out, x, part.data, part.block_type.ggml_type)
+        return
+    if x.dtype == torch.bfloat16:
+        ops.quantized_linear_widened(out, x, part.data, part.block_type.ggml_type)
         return
     dense = torch.empty(part.rows, part.cols, dtype=x.dtype)
     ops.dequantize_rows(dense, part.data, part.block_type.ggml_type)

@@ -212,6 +212,8 @@ def decode_splits(num_programs: int, max_seq_len: int) -> int:
     return 1 << (splits.bit_length() - 1)  # round down to a power of two
 
 # Quantized weights (kernels.linear.QuantizedLinear): batches of up to this many rows multiply by int8
-# dot products over the blocks; larger ones widen each weight to x's dtype once per call for the library
-# matmul. Re-measure with `python -m benchmarks.quantized` (one thread) on the CPU at hand.
-QUANTIZED_INT8_MAX_ROWS = 16
+# dot products over the blocks (cost growing with the rows); larger ones widen the weights to bf16 inside
+# the tiles (cost nearly flat in the rows: the widening). Re-measure with
+# `python -m benchmarks.quantized --kernels` (one thread) on the CPU at hand: on the Xeon family 6
+# model 207 the widened path overtook the int8 one between 8 and 16 rows (Q8_0 and Q4_K).
+QUANTIZED_INT8_MAX_ROWS = 8

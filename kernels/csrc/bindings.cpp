@@ -609,15 +609,27 @@ void check_blocks(const torch::Tensor& blocks, int64_t ggml_type, int64_t k) {
   TORCH_CHECK(k % elements == 0 && blocks.size(1) == k / elements * bytes, "blocks' row bytes disagree with k and the type");
 }
 
-void quantized_linear(torch::Tensor out, torch::Tensor x, torch::Tensor blocks, int64_t ggml_type) {
+cpu_ops::QuantizedLinearArgs quantized_args(torch::Tensor out, torch::Tensor x, torch::Tensor blocks, int64_t ggml_type) {
   check_rows(x, "x");
   check_blocks(blocks, ggml_type, x.size(1));
   TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(0) == x.size(0) && out.size(1) == blocks.size(0) &&
                   out.scalar_type() == x.scalar_type(), "out must be [rows of x, rows of blocks] of x's dtype, unit column stride");
-  cpu_ops::QuantizedLinearArgs args{dtype_of(x), static_cast<int32_t>(ggml_type), x.data_ptr(), blocks.data_ptr<uint8_t>(),
-                                    out.data_ptr(), x.size(0), x.size(1), out.stride(0), false, false};
+  return {dtype_of(x), static_cast<int32_t>(ggml_type), x.data_ptr(), blocks.data_ptr<uint8_t>(), out.data_ptr(),
+          x.size(0), x.size(1), out.stride(0), false, false, blocks.size(0)};
+}
+
+void quantized_linear(torch::Tensor out, torch::Tensor x, torch::Tensor blocks, int64_t ggml_type) {
+  const cpu_ops::QuantizedLinearArgs args = quantized_args(out, x, blocks, ggml_type);
   if (x.size(0) == 0) return;
   run_tasks(table().quantized_linear, int8_dots(args), blocks.size(0), row_grain(x.size(0) * x.size(1)));
+}
+
+// Tasks: groups of 32 output columns, each widened once into L2 for all rows (quantized_tiles.cpp).
+void quantized_linear_widened(torch::Tensor out, torch::Tensor x, torch::Tensor blocks, int64_t ggml_type) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "the widened quantized matmul takes bf16 x");
+  const cpu_ops::QuantizedLinearArgs args = quantized_args(out, x, blocks, ggml_type);
+  if (x.size(0) == 0) return;
+  run_tasks(table().quantized_linear_widened, args, (blocks.size(0) + 31) / 32, 1);
 }
 
 void dequantize_rows(torch::Tensor out, torch::Tensor blocks, int64_t ggml_type) {
@@ -661,6 +673,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("peak_read", &peak_read);
   m.def("quantized_linear", &quantized_linear);
   m.def("dequantize_rows", &dequantize_rows);
+  m.def("quantized_linear_widened", &quantized_linear_widened);
   m.def("quantized_int8_dot", &quantized_int8_dot);
   m.def("use_vnni", &use_vnni);
 }

@@ -14,7 +14,7 @@ namespace cpu_ops {
 
 // Bumped whenever a struct below or the table changes: a form library built from other sources is
 // refused by the bindings instead of being called with the wrong layout.
-constexpr int32_t kAbiVersion = 11;
+constexpr int32_t kAbiVersion = 12;
 
 enum class DType : int32_t { f32 = 0, bf16 = 1, f16 = 2 };
 
@@ -154,6 +154,7 @@ struct QuantizedLinearArgs {
   void* out;
   int64_t rows, k, out_stride;
   bool has_avx_vnni, has_avx512_vnni;  // this CPU's int8 dot product instructions (cpuid)
+  int64_t n;  // rows of blocks (columns of out)
 };
 
 // Rows [begin, end) of out [rows, k] (float32: kernels.reference.dequantize bit for bit; bf16: that
@@ -209,6 +210,9 @@ struct KernelTable {
   void (*quantized_linear)(const QuantizedLinearArgs&, int64_t begin, int64_t end);
   const char* (*quantized_int8_dot)(const QuantizedLinearArgs& args);
   void (*dequantize_rows)(const DequantizeArgs&, int64_t begin, int64_t end);
+  // bf16 x by weights widened to bf16 in groups of 32 rows on the form's tiles (quantized_tiles.cpp);
+  // tasks: groups of 32 output columns.
+  void (*quantized_linear_widened)(const QuantizedLinearArgs&, int64_t begin, int64_t end);
 };
 
 }  // namespace cpu_ops

@@ -36,5 +36,11 @@ double peak_read(const void* data, int64_t bytes, int64_t streams);
 void quantized_linear(const QuantizedLinearArgs& args, int64_t begin, int64_t end);
 const char* quantized_int8_dot(const QuantizedLinearArgs& args);
 void dequantize_rows(const DequantizeArgs& args, int64_t begin, int64_t end);
+void quantized_linear_widened(const QuantizedLinearArgs& args, int64_t begin, int64_t end);
+// Shared by quantized.cpp and quantized_tiles.cpp: bytes of a row of k weights of `ggml_type`, and one
+// such row widened into out [k] of `dtype` (float32: kernels.reference.dequantize bit for bit; 16-bit
+// types: that rounded once).
+int64_t quantized_row_bytes(int32_t ggml_type, int64_t k);
+void dequantize_row(int32_t ggml_type, const uint8_t* blocks, int64_t k, DType dtype, void* out);
 
 }  // namespace cpu_ops

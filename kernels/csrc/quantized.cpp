@@ -150,71 +150,105 @@ void unpack_q6_k(const uint8_t* block, UnpackedRow row) {
       const uint8_t* top = qh + 32 * h;
       const int low_shift = 4 * (quarter / 2), top_shift = 2 * quarter;
       int8_t* q = row.q + 128 * h + 32 * quarter;
+#if defined(__AVX2__)
+      // 16-bit shifts then byte masks: the bits a byte takes from its neighbour are masked off.
+      const __m256i lows = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(low));
+      const __m256i tops = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(top));
+      const __m256i low_bits = _mm256_and_si256(_mm256_srl_epi16(lows, _mm_cvtsi32_si128(low_shift)), _mm256_set1_epi8(15));
+      const __m256i top_bits = _mm256_and_si256(_mm256_srl_epi16(tops, _mm_cvtsi32_si128(top_shift)), _mm256_set1_epi8(3));
+      const __m256i values = _mm256_or_si256(low_bits, _mm256_slli_epi16(top_bits, 4));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_sub_epi8(values, _mm256_set1_epi8(32)));
+#else
       for (int e = 0; e < 32; ++e)
         q[e] = static_cast<int8_t>((((low[e] >> low_shift) & 15) | (((top[e] >> top_shift) & 3) << 4)) - 32);
+#endif
     }
   }
   for (int s = 0; s < 16; ++s) row.scales[s] = d * static_cast<float>(static_cast<int8_t>(block[192 + s]));
   for (int s = 0; s < 8; ++s) row.offsets[s] = 0.f;
 }
 
-// Unpacks the `k` weights of one row of blocks.
-void unpack_row(int32_t type, const uint8_t* blocks, int64_t k, UnpackedRow row) {
-  const BlockShape shape = block_shape(type);
-  for (int64_t b = 0; b < k / shape.elements; ++b) {
-    const uint8_t* block = blocks + b * shape.bytes;
-    const int64_t first = b * shape.elements;
-    const UnpackedRow at{row.q + first, row.scales + first / 16, row.offsets + first / 32};
-    switch (type) {
-      case kQ8_0: unpack_q8_0(block, at); break;
-      case kQ4_0: unpack_q4_0(block, at); break;
-      case kQ4_1: unpack_q4_1(block, at); break;
-      case kQ4_K: unpack_k<false>(block, at); break;
-      case kQ5_K: unpack_k<true>(block, at); break;
-      default: unpack_q6_k(block, at); break;
-    }
+// The blocks of one row, each unpacked by kUnpack (the type chosen once per row, not per block).
+template <void (*kUnpack)(const uint8_t*, UnpackedRow), int64_t kElements, int64_t kBytes>
+void unpack_blocks(const uint8_t* blocks, int64_t k, UnpackedRow row) {
+  for (int64_t b = 0; b < k / kElements; ++b) {
+    const int64_t first = b * kElements;
+    kUnpack(blocks + b * kBytes, {row.q + first, row.scales + first / 16, row.offsets + first / 32});
   }
 }
 
-// x [rows, k] quantized per block of 32: q = round(x / d) with d = amax / 127, and d * sum(q)
-// (what a block's offset multiplies).
+// Unpacks the `k` weights of one row of blocks.
+void unpack_row(int32_t type, const uint8_t* blocks, int64_t k, UnpackedRow row) {
+  switch (type) {
+    case kQ8_0: return unpack_blocks<unpack_q8_0, 32, 34>(blocks, k, row);
+    case kQ4_0: return unpack_blocks<unpack_q4_0, 32, 18>(blocks, k, row);
+    case kQ4_1: return unpack_blocks<unpack_q4_1, 32, 20>(blocks, k, row);
+    case kQ4_K: return unpack_blocks<unpack_k<false>, 256, 144>(blocks, k, row);
+    case kQ5_K: return unpack_blocks<unpack_k<true>, 256, 176>(blocks, k, row);
+    default: return unpack_blocks<unpack_q6_k, 256, 210>(blocks, k, row);
+  }
+}
+
+// The elements of x's rows (and of an unpacked weight row) a kernel step multiplies: two blocks of
+// 32 on AVX-512 (a zmm), one elsewhere.
+#if defined(__AVX512BW__)
+constexpr int64_t kXStep = 64;
+#else
+constexpr int64_t kXStep = 32;
+#endif
+constexpr int64_t kLanesPerStep = kXStep / 4;  // int32 lanes of a step's dot products, 4 products each
+
+// x [rows, k] quantized per block of 32: q = round(x / d) with d = amax / 127, and d * sum(q) (what a
+// block's offset multiplies). q and d are stored step-major, so that a pass over some rows finds
+// each row's part of a step at a fixed offset from the first's: q [steps, rows, kXStep], d once per
+// int32 lane [steps, rows, kLanesPerStep] (loaded as a vector beside the lanes it scales). A row of
+// an odd number of blocks ends in half a step, padded with zeros (q and d).
 struct QuantizedRows {
-  std::vector<int8_t> q;  // [rows, k]
-  std::vector<float> scales;  // [rows, k / 32]
+  std::vector<int8_t> q;
+  std::vector<float> lane_scales;
   std::vector<float> scaled_sums;  // [rows, k / 32]
 };
 
-// Rows of QuantizedRows from one row on: row r's quants at q + r * k, its scales at scales + r * num_blocks.
+// Rows of QuantizedRows from one row on: row r's part of step s at q + s * rows * kXStep + r * kXStep
+// (and lane_scales + (s * rows + r) * kLanesPerStep).
 struct QuantizedRowsView {
   const int8_t* q;
-  const float* scales;
-  int64_t k, num_blocks;
+  const float* lane_scales;
+  int64_t rows, steps;  // rows: of the whole QuantizedRows (its step stride)
 };
 
+int64_t num_steps(int64_t k) { return (k + kXStep - 1) / kXStep; }
+
 template <typename T>
-void quantize_block(const T* x, int8_t* q, float& scale, float& scaled_sum) {
+void quantize_block(const T* x, int8_t* q, float* lane_scales, float& scaled_sum) {
   float values[kXBlock], amax = 0.f;
   to_float(x, values, kXBlock);
   for (int i = 0; i < kXBlock; ++i) amax = std::max(amax, std::fabs(values[i]));
-  scale = amax / 127.f;
+  const float scale = amax / 127.f;
   const float inverse = amax > 0.f ? 127.f / amax : 0.f;
   int sum = 0;
   for (int i = 0; i < kXBlock; ++i) {
     q[i] = static_cast<int8_t>(std::nearbyint(values[i] * inverse));
     sum += q[i];
   }
+  for (int i = 0; i < kXBlock / 4; ++i) lane_scales[i] = scale;
   scaled_sum = scale * static_cast<float>(sum);
 }
 
 void quantize_rows(const QuantizedLinearArgs& args, QuantizedRows& out) {
-  const int64_t num_blocks = args.k / kXBlock;
-  out.q.resize(args.rows * args.k);
-  out.scales.resize(args.rows * num_blocks);
+  const int64_t num_blocks = args.k / kXBlock, steps = num_steps(args.k);
+  out.q.assign(steps * args.rows * kXStep, 0);
+  out.lane_scales.assign(steps * args.rows * kLanesPerStep, 0.f);
   out.scaled_sums.resize(args.rows * num_blocks);
   dispatch_dtype(args.dtype, [&]<typename T>() {
     const T* x = static_cast<const T*>(args.x);
-    for (int64_t i = 0; i < args.rows * num_blocks; ++i)
-      quantize_block(x + i * kXBlock, out.q.data() + i * kXBlock, out.scales[i], out.scaled_sums[i]);
+    for (int64_t r = 0; r < args.rows; ++r) {
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const int64_t element = b * kXBlock, at = (element / kXStep * args.rows + r) * kXStep + element % kXStep;
+        quantize_block(x + r * args.k + element, out.q.data() + at, out.lane_scales.data() + at / 4,
+                       out.scaled_sums[r * num_blocks + b]);
+      }
+    }
   });
 }
 
@@ -230,18 +264,16 @@ float offsets_dot(const float* offsets, const float* scaled_sums, int64_t num_bl
 [[maybe_unused]] void portable_rows(const UnpackedRow& w, const QuantizedRowsView& x, int64_t rows, float* out) {
   for (int64_t r = 0; r < rows; ++r) {
     float total = 0.f;
-    for (int64_t b = 0; b < x.num_blocks; ++b) {
-      int32_t halves[2] = {0, 0};
-      for (int h = 0; h < 2; ++h) {
-        const int8_t* wq = w.q + b * kXBlock + 16 * h;
-        const int8_t* xh = x.q + r * x.k + b * kXBlock + 16 * h;
+    for (int64_t s = 0; s < x.steps; ++s) {
+      const int8_t* xq = x.q + (s * x.rows + r) * kXStep;
+      for (int h = 0; h < kXStep / 16; ++h) {
+        const float x_scale = x.lane_scales[(s * x.rows + r) * kLanesPerStep + 4 * h];
+        const int8_t* wq = w.q + s * kXStep + 16 * h;
         int32_t sum = 0;
 #pragma omp simd reduction(+ : sum)
-        for (int i = 0; i < 16; ++i) sum += static_cast<int32_t>(wq[i]) * static_cast<int32_t>(xh[i]);
-        halves[h] = sum;
+        for (int i = 0; i < 16; ++i) sum += static_cast<int32_t>(wq[i]) * static_cast<int32_t>(xq[16 * h + i]);
+        total += x_scale * (w.scales[s * kXStep / 16 + h] * static_cast<float>(sum));
       }
-      const float scaled = w.scales[2 * b] * static_cast<float>(halves[0]) + w.scales[2 * b + 1] * static_cast<float>(halves[1]);
-      total += x.scales[r * x.num_blocks + b] * scaled;
     }
     out[r] = total;
   }
@@ -250,24 +282,89 @@ float offsets_dot(const float* offsets, const float* scaled_sums, int64_t num_bl
 #if defined(__AVX2__) && defined(__FMA__)
 // Which int8 dot product instruction the row dot uses.
 enum class Int8Dot { widening, avx_vnni, avx512_vnni };
+#endif
 
-// 8 int32 lanes: lane i the sum of products 4i..4i+3 of the 32 int8 pairs w, x, given
-// magnitude = |w| and signed_x = x with w's sign: `vpdpbusd` and `vpmaddubsw` take one unsigned
-// operand (|q| <= 128 fits u8, and 2 * 128 * 127 fits vpmaddubsw's saturating int16 sums).
+#if defined(__AVX512BW__)
+// Lane i of a step's 64 products: the sum of products 4i..4i+3 of magnitude = |w| and signed_x = x
+// with w's sign (`vpdpbusd` and `vpmaddubsw` take one unsigned operand; |q| <= 128 fits u8, and
+// 2 * 128 * 127 fits vpmaddubsw's saturating int16 sums).
+template <Int8Dot kDot>
+inline __m512i dot64(__m512i magnitude, __m512i signed_x) {
+  if constexpr (kDot == Int8Dot::avx512_vnni) {
+    __m512i sums = _mm512_setzero_si512();
+    asm("vpdpbusd %2, %1, %0" : "+v"(sums) : "v"(magnitude), "v"(signed_x));
+    return sums;
+  } else {
+    return _mm512_madd_epi16(_mm512_maddubs_epi16(magnitude, signed_x), _mm512_set1_epi16(1));
+  }
+}
+
+// One step of R rows into acc[r]: w's magnitude, signs and scales made once for the R rows; each
+// lane's int32 sum times its weight scale (one of 16 elements) times x's block scale.
+template <Int8Dot kDot, int R>
+__attribute__((always_inline)) inline void step64(const int8_t* w_q, const float* w_scales, const int8_t* x_q,
+                                                  const float* x_scales, __m512 (&acc)[R]) {
+  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);  // lane -> its 16
+  const __m512i wq = _mm512_loadu_si512(w_q);
+  const __m512i magnitude = _mm512_abs_epi8(wq);
+  const __mmask64 negative = _mm512_movepi8_mask(wq);
+  const __m512 scales = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(w_scales)));
+  for (int r = 0; r < R; ++r) {
+    const __m512i xq = _mm512_loadu_si512(x_q + r * kXStep);
+    const __m512i signed_x = _mm512_mask_sub_epi8(xq, negative, _mm512_setzero_si512(), xq);
+    const __m512 sums = _mm512_cvtepi32_ps(dot64<kDot>(magnitude, signed_x));
+    acc[r] = _mm512_fmadd_ps(sums, _mm512_mul_ps(scales, _mm512_loadu_ps(x_scales + r * kLanesPerStep)), acc[r]);
+  }
+}
+
+// The dots over R rows, steps in pairs so that each row has two sums in flight.
+template <Int8Dot kDot, int R>
+void wide_rows_dot(const UnpackedRow& w, const QuantizedRowsView& x, float* out) {
+  __m512 even[R], odd[R];
+  for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+  const int8_t* w_q = w.q;
+  const float* w_scales = w.scales;
+  const int8_t* x_q = x.q;
+  const float* x_scales = x.lane_scales;
+  const int64_t q_stride = x.rows * kXStep, scale_stride = x.rows * kLanesPerStep;
+  int64_t s = 0;
+  for (; s + 1 < x.steps; s += 2) {
+    step64<kDot, R>(w_q, w_scales, x_q, x_scales, even);
+    step64<kDot, R>(w_q + kXStep, w_scales + kXStep / 16, x_q + q_stride, x_scales + scale_stride, odd);
+    w_q += 2 * kXStep;
+    w_scales += 2 * kXStep / 16;
+    x_q += 2 * q_stride;
+    x_scales += 2 * scale_stride;
+  }
+  if (s < x.steps) step64<kDot, R>(w_q, w_scales, x_q, x_scales, even);
+  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
+}
+
+constexpr int64_t kRowsPerPass = 8;  // 16 accumulators of the 32 zmm registers
+
+template <Int8Dot kDot>
+void wide_rows(const UnpackedRow& w, const QuantizedRowsView& x, int64_t rows, float* out) {
+  switch (rows) {
+    case 1: return wide_rows_dot<kDot, 1>(w, x, out);
+    case 2: return wide_rows_dot<kDot, 2>(w, x, out);
+    case 3: return wide_rows_dot<kDot, 3>(w, x, out);
+    case 4: return wide_rows_dot<kDot, 4>(w, x, out);
+    case 5: return wide_rows_dot<kDot, 5>(w, x, out);
+    case 6: return wide_rows_dot<kDot, 6>(w, x, out);
+    case 7: return wide_rows_dot<kDot, 7>(w, x, out);
+    default: return wide_rows_dot<kDot, 8>(w, x, out);
+  }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2: as dot64 over one block of 32 (without AVX-512 VNNI's EVEX form).
 template <Int8Dot kDot>
 inline __m256i dot32(__m256i magnitude, __m256i signed_x) {
-  if constexpr (kDot == Int8Dot::widening) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), _mm256_set1_epi16(1));
-  } else {
+  if constexpr (kDot == Int8Dot::avx_vnni) {
     __m256i sums = _mm256_setzero_si256();
-    if constexpr (kDot == Int8Dot::avx_vnni) {
-      asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(sums) : "x"(magnitude), "x"(signed_x));
-    } else {
-#if defined(__AVX512VL__)
-      asm("vpdpbusd %2, %1, %0" : "+v"(sums) : "v"(magnitude), "v"(signed_x));
-#endif
-    }
+    asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(sums) : "x"(magnitude), "x"(signed_x));
     return sums;
+  } else {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), _mm256_set1_epi16(1));
   }
 }
 
@@ -277,36 +374,45 @@ inline float sum_lanes(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(lanes, _mm_movehdup_ps(lanes)));
 }
 
-// Block b's products with R rows of x, the lanes of each half scaled by its scale times x's, into
-// acc[r]: the weight block's magnitude and scales are made once for the R rows.
+// One block of R rows into acc[r], as step64.
 template <Int8Dot kDot, int R>
-__attribute__((always_inline)) inline void block_rows(const UnpackedRow& w, const QuantizedRowsView& x, int64_t b,
-                                                      __m256 (&acc)[R]) {
-  const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.q + b * kXBlock));
+__attribute__((always_inline)) inline void block_rows(const int8_t* w_q, const float* w_scales, const int8_t* x_q,
+                                                      const float* x_scales, __m256 (&acc)[R]) {
+  const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w_q));
   const __m256i magnitude = _mm256_sign_epi8(wq, wq);
-  const __m256 halves = _mm256_set_m128(_mm_set1_ps(w.scales[2 * b + 1]), _mm_set1_ps(w.scales[2 * b]));
+  const __m256 halves = _mm256_set_m128(_mm_set1_ps(w_scales[1]), _mm_set1_ps(w_scales[0]));
   for (int r = 0; r < R; ++r) {
-    const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + r * x.k + b * kXBlock));
+    const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x_q + r * kXStep));
     const __m256 sums = _mm256_cvtepi32_ps(dot32<kDot>(magnitude, _mm256_sign_epi8(xb, wq)));
-    acc[r] = _mm256_fmadd_ps(sums, _mm256_mul_ps(halves, _mm256_set1_ps(x.scales[r * x.num_blocks + b])), acc[r]);
+    acc[r] = _mm256_fmadd_ps(sums, _mm256_mul_ps(halves, _mm256_loadu_ps(x_scales + r * kLanesPerStep)), acc[r]);
   }
 }
 
-// rows_dot over R rows, blocks in pairs so that each row has two sums in flight.
+// The dots over R rows, blocks in pairs so that each row has two sums in flight.
 template <Int8Dot kDot, int R>
 void vector_rows_dot(const UnpackedRow& w, const QuantizedRowsView& x, float* out) {
   __m256 even[R], odd[R];
   for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
-  int64_t b = 0;
-  for (; b + 1 < x.num_blocks; b += 2) {
-    block_rows<kDot, R>(w, x, b, even);
-    block_rows<kDot, R>(w, x, b + 1, odd);
+  const int8_t* w_q = w.q;
+  const float* w_scales = w.scales;
+  const int8_t* x_q = x.q;
+  const float* x_scales = x.lane_scales;
+  const int64_t q_stride = x.rows * kXStep, scale_stride = x.rows * kLanesPerStep;
+  int64_t s = 0;
+  for (; s + 1 < x.steps; s += 2) {
+    block_rows<kDot, R>(w_q, w_scales, x_q, x_scales, even);
+    block_rows<kDot, R>(w_q + kXStep, w_scales + 2, x_q + q_stride, x_scales + scale_stride, odd);
+    w_q += 2 * kXStep;
+    w_scales += 4;
+    x_q += 2 * q_stride;
+    x_scales += 2 * scale_stride;
   }
-  if (b < x.num_blocks) block_rows<kDot, R>(w, x, b, even);
+  if (s < x.steps) block_rows<kDot, R>(w_q, w_scales, x_q, x_scales, even);
   for (int r = 0; r < R; ++r) out[r] = sum_lanes(_mm256_add_ps(even[r], odd[r]));
 }
 
-// Up to kRowsPerPass rows at a time (their sums stay in registers).
+constexpr int64_t kRowsPerPass = 4;  // 8 accumulators of the 16 ymm registers
+
 template <Int8Dot kDot>
 void vector_rows(const UnpackedRow& w, const QuantizedRowsView& x, int64_t rows, float* out) {
   switch (rows) {
@@ -316,18 +422,20 @@ void vector_rows(const UnpackedRow& w, const QuantizedRowsView& x, int64_t rows,
     default: return vector_rows_dot<kDot, 4>(w, x, out);
   }
 }
+#else
+constexpr int64_t kRowsPerPass = 4;
 #endif
 
 // The dots of a weight row with up to kRowsPerPass x rows (out[r]), without the offsets' share.
 using RowsDot = void (*)(const UnpackedRow&, const QuantizedRowsView&, int64_t rows, float* out);
-constexpr int64_t kRowsPerPass = 4;
 
-// The best rows dot of this form on this CPU (args.has_avx_vnni / has_avx512_vnni, from cpuid).
+// The best rows dot of this form on this CPU (args.has_avx_vnni / has_avx512_vnni, from cpuid); an
+// AVX-512 CPU with AVX-VNNI but not AVX512-VNNI widens (its zmm steps have no VEX dot product).
 RowsDot choose_rows_dot(const QuantizedLinearArgs& args) {
-#if defined(__AVX2__) && defined(__FMA__)
-#if defined(__AVX512VL__)
-  if (args.has_avx512_vnni) return &vector_rows<Int8Dot::avx512_vnni>;
-#endif
+#if defined(__AVX512BW__)
+  if (args.has_avx512_vnni) return &wide_rows<Int8Dot::avx512_vnni>;
+  return &wide_rows<Int8Dot::widening>;
+#elif defined(__AVX2__) && defined(__FMA__)
   if (args.has_avx_vnni) return &vector_rows<Int8Dot::avx_vnni>;
   return &vector_rows<Int8Dot::widening>;
 #else
@@ -339,29 +447,29 @@ RowsDot choose_rows_dot(const QuantizedLinearArgs& args) {
 }  // namespace
 
 const char* quantized_int8_dot(const QuantizedLinearArgs& args) {
-#if defined(__AVX2__) && defined(__FMA__)
-#if defined(__AVX512VL__)
-  if (args.has_avx512_vnni) return "avx512_vnni";
-#endif
-  if (args.has_avx_vnni) return "avx_vnni";
-  return "widening";
+#if defined(__AVX512BW__)
+  return args.has_avx512_vnni ? "avx512_vnni" : "widening";
+#elif defined(__AVX2__) && defined(__FMA__)
+  return args.has_avx_vnni ? "avx_vnni" : "widening";
 #else
   (void)args;
   return "portable";
 #endif
 }
 
-// Tasks [begin, end): output columns, one weight row each (QuantizedLinearArgs).
+// Tasks [begin, end): output columns, one weight row each (QuantizedLinearArgs). x is quantized once
+// per task range (one range a thread); each weight row is unpacked once, into L1, for all rows of x.
 void quantized_linear(const QuantizedLinearArgs& args, int64_t begin, int64_t end) {
   thread_local QuantizedRows x;
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> scales, offsets;
   quantize_rows(args, x);
-  q.resize(args.k);
-  scales.resize(args.k / 16);
-  offsets.resize(args.k / kXBlock);
+  const int64_t steps = num_steps(args.k), num_blocks = args.k / kXBlock;
+  q.assign(steps * kXStep, 0);  // the padding of half a step stays zero: unpacking writes k of them
+  scales.assign(steps * kXStep / 16, 0.f);
+  offsets.resize(num_blocks);
   const UnpackedRow row{q.data(), scales.data(), offsets.data()};
-  const int64_t num_blocks = args.k / kXBlock, row_bytes = args.k / block_shape(args.ggml_type).elements * block_shape(args.ggml_type).bytes;
+  const int64_t row_bytes = quantized_row_bytes(args.ggml_type, args.k);
   const RowsDot rows_dot = choose_rows_dot(args);
   const bool adds_offsets = has_offsets(args.ggml_type);
   dispatch_dtype(args.dtype, [&]<typename T>() {
@@ -371,7 +479,9 @@ void quantized_linear(const QuantizedLinearArgs& args, int64_t begin, int64_t en
       unpack_row(args.ggml_type, args.blocks + column * row_bytes, args.k, row);
       for (int64_t first = 0; first < args.rows; first += kRowsPerPass) {
         const int64_t rows = std::min(kRowsPerPass, args.rows - first);
-        rows_dot(row, {x.q.data() + first * args.k, x.scales.data() + first * num_blocks, args.k, num_blocks}, rows, sums);
+        const QuantizedRowsView view{x.q.data() + first * kXStep, x.lane_scales.data() + first * kLanesPerStep,
+                                     args.rows, steps};
+        rows_dot(row, view, rows, sums);
         for (int64_t r = 0; r < rows; ++r) {
           const float offset =
               adds_offsets ? offsets_dot(row.offsets, x.scaled_sums.data() + (first + r) * num_blocks, num_blocks) : 0.f;
@@ -382,35 +492,67 @@ void quantized_linear(const QuantizedLinearArgs& args, int64_t begin, int64_t en
   });
 }
 
+int64_t quantized_row_bytes(int32_t ggml_type, int64_t k) {
+  const BlockShape shape = block_shape(ggml_type);
+  return k / shape.elements * shape.bytes;
+}
+
+namespace {
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// The unpacked row's weights rounded to bf16, 16 at a time: the same float products and sums as
+// dequantize_row's float path.
+void widen_to_bf16(const UnpackedRow& row, int64_t k, bool adds_offsets, uint16_t* out) {
+  for (int64_t g = 0; g < k / 16; ++g) {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row.q + 16 * g));
+    __m512 values = _mm512_mul_ps(_mm512_set1_ps(row.scales[g]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
+    if (adds_offsets) values = _mm512_add_ps(values, _mm512_set1_ps(row.offsets[g / 2]));
+    float_to_bf16x16(values, out + 16 * g);
+  }
+}
+#endif
+
+}  // namespace
+
+void dequantize_row(int32_t ggml_type, const uint8_t* blocks, int64_t k, DType dtype, void* out) {
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> scales, offsets, values;
+  q.resize(k);
+  scales.resize(k / 16);
+  offsets.resize(k / kXBlock);
+  unpack_row(ggml_type, blocks, k, {q.data(), scales.data(), offsets.data()});
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if (dtype == DType::bf16) {
+    widen_to_bf16({q.data(), scales.data(), offsets.data()}, k, has_offsets(ggml_type), static_cast<uint16_t*>(out));
+    return;
+  }
+#endif
+  values.resize(k);
+  // The reference's order: scale * q, then the offset added (Q4_1: + m; K-quants: - dmin * min);
+  // none added to the other types, whose zero products keep their sign there.
+  for (int64_t g = 0; g < k / 16; ++g) {
+    const float scale = scales[g];
+#pragma omp simd
+    for (int64_t i = 0; i < 16; ++i) values[16 * g + i] = scale * static_cast<float>(q[16 * g + i]);
+  }
+  if (has_offsets(ggml_type)) {
+    for (int64_t b = 0; b < k / kXBlock; ++b) {
+      const float offset = offsets[b];
+#pragma omp simd
+      for (int64_t i = 0; i < kXBlock; ++i) values[kXBlock * b + i] += offset;
+    }
+  }
+  dispatch_dtype(dtype, [&]<typename T>() { from_float(values.data(), static_cast<T*>(out), k); });
+}
+
 // Rows [begin, end) of out [rows, k] (float32 or bf16) = the rows of blocks, as
 // kernels.reference.dequantize (rounded once to bf16).
 void dequantize_rows(const DequantizeArgs& args, int64_t begin, int64_t end) {
-  thread_local std::vector<int8_t> q;
-  thread_local std::vector<float> scales, offsets, values;
-  q.resize(args.k);
-  scales.resize(args.k / 16);
-  offsets.resize(args.k / kXBlock);
-  values.resize(args.k);
-  const UnpackedRow row{q.data(), scales.data(), offsets.data()};
-  const int64_t row_bytes = args.k / block_shape(args.ggml_type).elements * block_shape(args.ggml_type).bytes;
-  for (int64_t r = begin; r < end; ++r) {
-    unpack_row(args.ggml_type, args.blocks + r * row_bytes, args.k, row);
-    // The reference's order: scale * q, then the offset added (Q4_1: + m; K-quants: - dmin * min);
-    // none added to the other types, whose zero products keep their sign there.
-    for (int64_t g = 0; g < args.k / 16; ++g) {
-      const float scale = scales[g];
-#pragma omp simd
-      for (int64_t i = 0; i < 16; ++i) values[16 * g + i] = scale * static_cast<float>(q[16 * g + i]);
-    }
-    if (has_offsets(args.ggml_type)) {
-      for (int64_t b = 0; b < args.k / kXBlock; ++b) {
-        const float offset = offsets[b];
-#pragma omp simd
-        for (int64_t i = 0; i < kXBlock; ++i) values[kXBlock * b + i] += offset;
-      }
-    }
-    dispatch_dtype(args.dtype, [&]<typename T>() { from_float(values.data(), static_cast<T*>(args.out) + r * args.k, args.k); });
-  }
+  const int64_t row_bytes = quantized_row_bytes(args.ggml_type, args.k);
+  const int64_t element_bytes = args.dtype == DType::f32 ? 4 : 2;
+  for (int64_t r = begin; r < end; ++r)
+    dequantize_row(args.ggml_type, args.blocks + r * row_bytes, args.k, args.dtype,
+                   static_cast<char*>(args.out) + r * args.k * element_bytes);
 }
 
 }  // namespace cpu_ops

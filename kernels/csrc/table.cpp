@@ -40,6 +40,7 @@ cpu_ops::KernelTable make_table() {
   table.quantized_linear = &cpu_ops::quantized_linear;
   table.quantized_int8_dot = &cpu_ops::quantized_int8_dot;
   table.dequantize_rows = &cpu_ops::dequantize_rows;
+  table.quantized_linear_widened = &cpu_ops::quantized_linear_widened;
   return table;
 }
 

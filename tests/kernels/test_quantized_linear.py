@@ -1,8 +1,9 @@
 """The compiled matmul over quantized blocks (kernels/csrc/quantized.cpp) in every form this CPU runs,
 with and without VNNI's int8 dot products, against its twin `kernels.reference.quantized_linear`
 within the error of quantizing x per 32 elements to int8; the compiled dequantization bit-exact
-against `kernels.reference.dequantize`; `QuantizedLinear` over mixed parts, both its paths; and the
-split over threads equal to one thread's result bit for bit."""
+against `kernels.reference.dequantize`; the widened matmul of larger bf16 batches (weights widened to
+bf16 inside the tiles) against the float32 matmul of the same bf16-rounded weights; `QuantizedLinear`
+over mixed parts, all its paths; and the split over threads equal to one thread's result bit for bit."""
 from __future__ import annotations
 
 import contextlib
@@ -19,6 +20,7 @@ pytestmark = pytest.mark.skipif(cpu_ops.ops() is None, reason="the compiled CPU 
 
 TYPES = sorted(BLOCK_TYPES)
 K = 768  # three K-quant blocks, 24 blocks of 32
+ODD_BLOCKS_K = 800  # 25 blocks of 32: the AVX-512 kernels' last step is half a step
 ODD_COLUMNS = 7
 
 
@@ -57,10 +59,13 @@ def _compiled(ops, x: torch.Tensor, tensor: QuantizedTensor) -> torch.Tensor:
 @pytest.mark.parametrize("form", cpu_build.FORMS)
 @pytest.mark.parametrize("vnni", [True, False])
 @pytest.mark.parametrize("type_name", TYPES)
-@pytest.mark.parametrize("rows", [1, 3, 16])
-def test_int8_matmul_within_the_quantization_bound(form: str, vnni: bool, type_name: str, rows: int) -> None:
-    tensor = random_blocks(type_name, ODD_COLUMNS, K, seed=rows)
-    x = _x(rows, seed=rows)
+@pytest.mark.parametrize("rows", [1, 3, 9, 16])
+@pytest.mark.parametrize("k", [K, ODD_BLOCKS_K])
+def test_int8_matmul_within_the_quantization_bound(form: str, vnni: bool, type_name: str, rows: int, k: int) -> None:
+    if k % BLOCK_TYPES[type_name].block_elements:
+        pytest.skip(f"{type_name} rows are whole blocks of {BLOCK_TYPES[type_name].block_elements}")
+    tensor = random_blocks(type_name, ODD_COLUMNS, k, seed=rows)
+    x = _x(rows, k=k, seed=rows)
     with _path(form, vnni) as ops:
         ours = _compiled(ops, x, tensor)
     weight = QuantizedWeight.of([tensor])
@@ -108,34 +113,66 @@ def test_dequantize_rows_as_the_reference(form: str, type_name: str, dtype: torc
                        expected.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)), "not bit-exact"
 
 
-def test_two_threads_equal_one_bit_for_bit() -> None:
+def _widened(ops, x: torch.Tensor, tensor: QuantizedTensor) -> torch.Tensor:
+    out = torch.empty(x.shape[0], tensor.rows, dtype=x.dtype)
+    ops.quantized_linear_widened(out, x, tensor.data, tensor.block_type.ggml_type)
+    return out
+
+
+@pytest.mark.parametrize("form", cpu_build.FORMS)
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("rows", [17, 40])
+@pytest.mark.parametrize("k", [K, ODD_BLOCKS_K])
+def test_widened_matmul_as_the_float32_matmul_of_bf16_weights(form: str, type_name: str, rows: int, k: int) -> None:
+    if k % BLOCK_TYPES[type_name].block_elements:
+        pytest.skip(f"{type_name} rows are whole blocks of {BLOCK_TYPES[type_name].block_elements}")
+    tensor = random_blocks(type_name, 37, k, seed=rows)  # a whole group of 32 rows and 5 more
+    x = _x(rows, k=k, seed=rows, dtype=torch.bfloat16)
+    with _path(form, True) as ops:
+        ours = _widened(ops, x, tensor)
+    dense = reference.dequantize(tensor).bfloat16().float()
+    twin = x.float() @ dense.T
+    bound = twin.abs() * 2.0**-8 + 1e-5 * (x.float().abs() @ dense.abs().T) + 1e-6  # one bf16 rounding, float32 sums
+    assert ((ours.float() - twin).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("widened", [False, True])
+def test_two_threads_equal_one_bit_for_bit(widened: bool) -> None:
     tensor = random_blocks("Q6_K", 301, K, seed=2)
-    x = _x(4, seed=2)
+    x = _x(40 if widened else 4, seed=2, dtype=torch.bfloat16 if widened else torch.float32)
     ops = cpu_ops.ops()
+    multiply = _widened if widened else _compiled
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        serial = _compiled(ops, x, tensor)
+        serial = multiply(ops, x, tensor)
         torch.set_num_threads(2)
-        parallel = _compiled(ops, x, tensor)
+        parallel = multiply(ops, x, tensor)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(serial, parallel)
 
 
 @pytest.mark.parametrize("rows", [2, tuning.QUANTIZED_INT8_MAX_ROWS + 7])
-def test_quantized_linear_over_mixed_parts_with_bias(rows: int) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_linear_over_mixed_parts_with_bias(rows: int, dtype: torch.dtype) -> None:
     parts = [random_blocks("Q4_K", 3, 512, seed=1), random_blocks("Q6_K", 5, 512, seed=2),
              random_blocks("Q8_0", 1, 512, seed=3)]
     weight = QuantizedWeight.of(parts)
-    bias = torch.randn(9, generator=torch.Generator().manual_seed(5))
-    x = _x(rows, k=512, seed=6)
-    ours = QuantizedLinear(weight, bias)(x)
-    twin = reference.quantized_linear(x, weight) + bias
+    bias = torch.randn(9, generator=torch.Generator().manual_seed(5)).to(dtype)
+    x = _x(rows, k=512, seed=6, dtype=dtype)
+    ours = QuantizedLinear(weight, bias)(x).float()
+    product = reference.quantized_linear(x.float(), weight)
+    twin = product + bias.float()
+    rounding = (product.abs() + twin.abs()) * torch.finfo(dtype).eps  # the product's and the sum's
     if rows <= tuning.QUANTIZED_INT8_MAX_ROWS:
-        assert ((ours - twin).abs() <= quantization_bound(x, weight)).all()
-    else:  # widened: the float32 matmul of the same weights
+        assert ((ours - twin).abs() <= quantization_bound(x, weight) + rounding).all()
+    elif dtype == torch.float32:  # widened: the float32 matmul of the same weights
         torch.testing.assert_close(ours, twin, rtol=1e-5, atol=1e-4)
+    else:  # widened to bf16 in the tiles: the weights rounded once more, then the sum, and the bias added
+        dense = torch.cat([reference.dequantize(part) for part in parts])
+        magnitude = x.float().abs() @ dense.abs().T
+        assert ((ours - twin).abs() <= 2 * rounding + magnitude * 2.0**-8 + 1e-5).all()
 
 
 def test_bad_blocks_refused() -> None:

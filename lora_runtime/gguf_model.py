@@ -10,6 +10,8 @@ rows, undone here without dequantizing.
 """
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +32,8 @@ DENSE_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat1
 SUPPORTED_TYPES = (*DENSE_TYPES, *BLOCK_TYPES)
 
 Weight = torch.Tensor | QuantizedTensor
+
+logger = logging.getLogger(__name__)
 
 
 def is_gguf_file(path: Path) -> bool:
@@ -52,6 +56,7 @@ def load_gguf(path: Path, dtype: str, device: str, backend: kernels.Backend) -> 
         lm_head=backend.linear(file.projection(["output.weight" if file.has("output.weight") else "token_embd.weight"],
                                                shape.vocab_size, shape.hidden_size)),
     )
+    file.warn_widened()
     rotary = rotary_tables(config, features.layer_rope, shape.head_dim, shape.max_model_len, file.dtype, file.device)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     return LlamaModel(shape, weights, rotary, backend, features), tokenizer
@@ -96,6 +101,7 @@ class GGUFTensors:
                                            f"supported: {sorted(ARCHITECTURES)}")
         self._tensors = {tensor.name: tensor for tensor in self._reader.tensors}
         self._check_extents()
+        self.widened: Counter[str] = Counter()
 
     def _check_extents(self) -> None:
         """Each tensor's bytes, as its type and shape size them, end before the next tensor's start (or
@@ -180,13 +186,34 @@ class GGUFTensors:
         if len(stored) != len(shape) or any(want not in (None, got) for want, got in zip(shape, stored)):
             raise ValidationError("model", f"{self.path}: tensor {name} has shape {stored}, expected {shape}")
         type_name = tensor.tensor_type.name
-        if type_name not in SUPPORTED_TYPES:
-            raise ValidationError("model", f"{self.path}: tensor {name} is of type {type_name}, which is not "
-                                           f"supported; supported types: {', '.join(SUPPORTED_TYPES)}")
         data = np.asarray(tensor.data)
+        if type_name not in SUPPORTED_TYPES:
+            return self._widened(name, tensor, data, stored)
         if type_name in DENSE_TYPES:
             return self._dense_copy(name, data, stored, DENSE_TYPES[type_name])
         return self._blocks_copy(name, data, stored, BLOCK_TYPES[type_name])
+
+    def _widened(self, name: str, tensor, data: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+        """A tensor of a block type our kernels do not multiply (llama.cpp's Q4_K_M puts Q5_0 where rows
+        are not whole 256-weight blocks), widened to the model's dtype by gguf's own dequantization;
+        a type gguf cannot widen either is refused by name."""
+        from gguf import quants
+
+        type_name = tensor.tensor_type.name
+        try:
+            values = quants.dequantize(data, tensor.tensor_type)
+        except NotImplementedError:
+            raise ValidationError("model", f"{self.path}: tensor {name} is of type {type_name}, which is not "
+                                           f"supported; supported types: {', '.join(SUPPORTED_TYPES)}") from None
+        self.widened[type_name] += 1
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(shape).to(self.dtype)
+
+    def warn_widened(self) -> None:
+        """One warning per file for the tensors `_widened` took out of their block types."""
+        if self.widened:
+            counts = ", ".join(f"{count} of {type_name}" for type_name, count in sorted(self.widened.items()))
+            logger.warning("%s: tensors of types without a compiled kernel were widened to %s: %s "
+                           "(kept in their blocks: %s)", self.path, self.dtype, counts, ", ".join(BLOCK_TYPES))
 
     def _dense_copy(self, name: str, data: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         expected = int(np.prod(shape)) * dtype.itemsize

@@ -1,10 +1,11 @@
 """Bad GGUF files refused before serving, with an error naming the file and the tensor or key: not a
-GGUF file, a truncated one, an unknown architecture, a tensor type we do not compute (named, with
-the supported list), a tensor whose shape disagrees with the model's, a missing tensor."""
+GGUF file, a truncated one, an unknown architecture, a tensor type neither we nor gguf can read (named,
+with the supported list), a tensor whose shape disagrees with the model's, a missing tensor."""
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -53,10 +54,12 @@ def test_unknown_architecture(tmp_path, good_tensors) -> None:
 
 
 def test_unsupported_tensor_type_named_with_the_supported_list(tmp_path, good_tensors) -> None:
-    weight = torch.randn(DIMS.projection_shape("ffn_up"))
-    tensors = dict(good_tensors, **{"blk.1.ffn_up.weight": ("Q5_0", _q5_0_bytes(weight))})
-    message = _refusal(write_gguf(tmp_path / "q5_0.gguf", DIMS, tensors))
-    assert "blk.1.ffn_up.weight" in message and "Q5_0" in message and "Q4_K" in message and "Q8_0" in message
+    """Q8_1 (llama.cpp's activation type): neither our kernels nor gguf's dequantization read it."""
+    rows, cols = DIMS.projection_shape("ffn_up")
+    q8_1 = np.random.default_rng(0).integers(0, 127, (rows, cols // 32 * 36), dtype=np.uint8)
+    tensors = dict(good_tensors, **{"blk.1.ffn_up.weight": ("Q8_1", q8_1)})
+    message = _refusal(write_gguf(tmp_path / "q8_1.gguf", DIMS, tensors))
+    assert "blk.1.ffn_up.weight" in message and "Q8_1" in message and "Q4_K" in message and "Q8_0" in message
 
 
 def test_tensor_shape_disagreeing_with_the_model(tmp_path, good_tensors) -> None:
@@ -79,9 +82,3 @@ def test_missing_tensor(tmp_path, good_tensors) -> None:
     tensors = {name: tensor for name, tensor in good_tensors.items() if name != "blk.1.ffn_norm.weight"}
     message = _refusal(write_gguf(tmp_path / "no-norm.gguf", DIMS, tensors))
     assert "blk.1.ffn_norm.weight" in message and "missing" in message
-
-
-def _q5_0_bytes(weight: torch.Tensor):
-    from gguf import GGMLQuantizationType, quantize
-
-    return quantize(weight.numpy(), GGMLQuantizationType.Q5_0)

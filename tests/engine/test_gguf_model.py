@@ -3,7 +3,8 @@
 (weights dequantized per call), within INT8_ATOL on the compiled CPU backend (whose decode matmuls
 quantize x per 32 elements to int8, as llama.cpp's do), and greedy tokens equal, for a Q8_0 file converted from a Hugging Face model and for a file of random K-quant blocks
 (Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q8_0 mixed as a Q4_K_M file mixes them); with PEFT adapters in one
-mixed batch against PEFT on the dequantized model; and bad files refused naming the file and what in
+mixed batch against PEFT on the dequantized model; a block type without a kernel (Q5_0) widened
+once with a warning; and bad files refused naming the file and what in
 it is wrong."""
 from __future__ import annotations
 
@@ -41,6 +42,24 @@ def q8_0_file(tmp_path_factory) -> Path:
     torch.manual_seed(11)
     model = LlamaForCausalLM(dims.hf_config()).eval()
     return write_gguf(tmp_path_factory.mktemp("q8_0") / "tiny-q8_0.gguf", dims, tensors_from_hf(model, dims, "Q8_0"))
+
+
+@pytest.fixture(scope="module")
+def q5_0_file(tmp_path_factory) -> Path:
+    """A Q8_0 file whose o and up projections are Q5_0, as llama.cpp's Q4_K_M writes rows that are not
+    whole 256-weight blocks: a type our kernels do not multiply, served widened."""
+    from gguf import GGMLQuantizationType, quantize
+    from transformers import LlamaForCausalLM
+
+    dims = TinyDims()
+    torch.manual_seed(11)  # q8_0_file's model: its greedy tokens have no near-tie the int8 path could flip
+    model = LlamaForCausalLM(dims.hf_config()).eval()
+    tensors = tensors_from_hf(model, dims, "Q8_0")
+    for name in ("blk.0.attn_output.weight", "blk.1.ffn_up.weight"):
+        hf_name = "model.layers.0.self_attn.o_proj" if "attn" in name else "model.layers.1.mlp.up_proj"
+        weight = model.get_submodule(hf_name).weight.detach().float().numpy()
+        tensors[name] = "Q5_0", quantize(weight, GGMLQuantizationType.Q5_0)
+    return write_gguf(tmp_path_factory.mktemp("q5_0") / "tiny-q5_0.gguf", dims, tensors)
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +110,23 @@ def test_q8_0_file_matches_transformers(q8_0_file, backend) -> None:
     engine = _engine(q8_0_file, backend)
     assert isinstance(engine.model.weights.layers[0].qkv.weight, QuantizedWeight), "kept in its blocks"
     _assert_matches(_generate(engine), [_hf_from_gguf(q8_0_file)] * len(PROMPTS), _atol(backend))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_types_without_a_kernel_are_widened_once_with_a_warning(q5_0_file, backend, caplog) -> None:
+    with caplog.at_level("WARNING", logger="lora_runtime.gguf_model"):
+        engine = Engine.from_config(EngineConfig(model=str(q5_0_file), dtype="float32", kernel_backend=backend))
+    layers = engine.model.weights.layers
+
+    def in_blocks(linear) -> bool:
+        return isinstance(getattr(linear, "weight", None), QuantizedWeight)
+
+    assert in_blocks(layers[0].qkv) and in_blocks(layers[1].o)
+    assert not in_blocks(layers[0].o), "the whole projection widened"
+    assert not in_blocks(layers[1].gate_up), "gate joins its widened up"
+    warnings = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
+    assert len(warnings) == 1 and "2 of Q5_0" in warnings[0] and str(q5_0_file) in warnings[0]
+    _assert_matches(_generate(engine), [_hf_from_gguf(q5_0_file)] * len(PROMPTS), _atol(backend))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -55,8 +55,11 @@ def test_unknown_architecture(tmp_path, good_tensors) -> None:
 
 def test_unsupported_tensor_type_named_with_the_supported_list(tmp_path, good_tensors) -> None:
     """Q8_1 (llama.cpp's activation type): neither our kernels nor gguf's dequantization read it."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
     rows, cols = DIMS.projection_shape("ffn_up")
-    q8_1 = np.random.default_rng(0).integers(0, 127, (rows, cols // 32 * 36), dtype=np.uint8)
+    block_weights, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_1]
+    q8_1 = np.random.default_rng(0).integers(0, 127, (rows, cols // block_weights * block_bytes), dtype=np.uint8)
     tensors = dict(good_tensors, **{"blk.1.ffn_up.weight": ("Q8_1", q8_1)})
     message = _refusal(write_gguf(tmp_path / "q8_1.gguf", DIMS, tensors))
     assert "blk.1.ffn_up.weight" in message and "Q8_1" in message and "Q4_K" in message and "Q8_0" in message

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 import kernels
-from benchmarks.threads import random_llama
+from benchmarks.random_model import random_llama
 from lora_runtime.loader import load_model
 
 LOG = logging.getLogger("benchmarks.load_memory")

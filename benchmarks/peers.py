@@ -37,7 +37,7 @@ import torch
 from benchmarks import llama_cpp, options, same_gguf
 from benchmarks.engine import NO_PREFIX_CACHE, make_prompts, median_of_interleaved, run_ours
 from benchmarks.peft_baseline import make_random_adapters, run_peft
-from benchmarks.threads import random_llama
+from benchmarks.random_model import random_llama
 from lora_runtime import Engine, EngineConfig
 from lora_runtime.config import SchedulerConfig
 from lora_runtime.embedded import default_cache_dir, ensure_embedded_model

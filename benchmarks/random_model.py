@@ -47,6 +47,15 @@ def ensure_random_llama(directory: Path | None = None, **overrides: int) -> Path
     return directory
 
 
+def random_llama(num_layers: int | None) -> Path:
+    """The random model of Llama-3.2-1B's shape, cut to `num_layers` in a directory of its own (the
+    whole model's stays as it is)."""
+    if num_layers is None:
+        return ensure_random_llama()
+    directory = default_cache_dir() / "models" / f"random-llama-3.2-1b-shape-{num_layers}-layers"
+    return ensure_random_llama(directory, num_hidden_layers=num_layers)
+
+
 def _random_weights(shape: dict) -> dict[str, torch.Tensor]:
     hidden, inner, head_dim = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
     q_width, kv_width = shape["num_attention_heads"] * head_dim, shape["num_key_value_heads"] * head_dim

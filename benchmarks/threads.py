@@ -33,7 +33,7 @@ import torch
 from benchmarks import peers, options
 from benchmarks.engine import NO_PREFIX_CACHE, make_prompts, median_of_interleaved
 from benchmarks.peft_baseline import make_random_adapters
-from benchmarks.random_model import ensure_random_llama
+from benchmarks.random_model import random_llama
 from benchmarks.timing import Timer
 from lora_runtime import Engine, EngineConfig, SamplingParams
 from lora_runtime.config import SchedulerConfig
@@ -141,15 +141,24 @@ def _log_summary(name: str, summary: dict) -> None:
                     100 * summary["fitted_serial_fraction"], fitted)
 
 
+def model_of(args: argparse.Namespace) -> Path:
+    return random_llama(args.layers) if args.random_llama_1b else ensure_embedded_model()
+
+
+def adapter_root(model_dir: Path) -> Path:
+    """The benchmark's adapters, a directory per model: their shapes are the model's."""
+    return default_cache_dir() / "bench-adapters" / model_dir.name
+
+
 def measure_ours(args: argparse.Namespace, counts: list[int]) -> dict:
-    model_dir = random_llama(args.layers) if args.random_llama_1b else ensure_embedded_model()
+    model_dir = model_of(args)
     engine = Engine.from_config(EngineConfig(model=str(model_dir) if args.random_llama_1b else None, dtype=args.dtype,
                                              scheduler=SchedulerConfig(max_num_seqs=args.num_requests),
                                              kv_cache=NO_PREFIX_CACHE, num_threads=counts[-1]))
     prompts = make_prompts(engine.tokenizer, args.num_requests)
     workloads: dict[str, list[str] | None] = {"base": None}
-    if args.adapters and not args.random_llama_1b:
-        paths = make_random_adapters(model_dir, default_cache_dir() / "bench-adapters", args.adapters, peers.TARGETS)
+    if args.adapters:
+        paths = make_random_adapters(model_dir, adapter_root(model_dir), args.adapters, peers.TARGETS)
         workloads["W"] = [str(paths[i % args.adapters]) for i in range(args.num_requests)]
     runs = {(name, threads): (lambda name=name, threads=threads:
                               run_at(engine, threads, prompts, args.new_tokens, workloads[name]))
@@ -163,22 +172,13 @@ def measure_ours(args: argparse.Namespace, counts: list[int]) -> dict:
     return report
 
 
-def random_llama(num_layers: int | None) -> Path:
-    """The random model of Llama-3.2-1B's shape, cut to `num_layers` in a directory of its own (the
-    whole model's stays as it is)."""
-    if num_layers is None:
-        return ensure_random_llama()
-    directory = default_cache_dir() / "models" / f"random-llama-3.2-1b-shape-{num_layers}-layers"
-    return ensure_random_llama(directory, num_hidden_layers=num_layers)
-
-
 def measure_llama_cpp(args: argparse.Namespace, counts: list[int]) -> dict:
-    """llama.cpp's server (bf16 GGUF) on the same workloads at each thread count, once each."""
-    model_dir = ensure_embedded_model()
+    """llama.cpp's server (bf16 GGUF) on the same model and workloads at each thread count, once each."""
+    model_dir = model_of(args)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    paths = make_random_adapters(model_dir, default_cache_dir() / "bench-adapters", max(1, args.adapters), peers.TARGETS)
+    paths = make_random_adapters(model_dir, adapter_root(model_dir), max(1, args.adapters), peers.TARGETS)
     workload = peers.Workload(make_prompts(tokenizer, args.num_requests), paths,
                               [i % len(paths) for i in range(args.num_requests)], args.new_tokens)
     report = {}

@@ -42,6 +42,21 @@ def add_quick(parser: argparse.ArgumentParser, cut: str) -> None:
     parser.add_argument("--quick", action="store_true", help=f"a small run: {cut}")
 
 
+def add_random_llama(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--random-llama-1b", action="store_true",
+                        help="a random-weight model of Llama-3.2-1B's shape instead of the embedded model (slow)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="with --random-llama-1b: that many layers instead of its 16 (a quick check)")
+
+
+def parse_random_llama(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The parsed arguments, `--layers` refused without `--random-llama-1b` or below one."""
+    args = parser.parse_args(argv)
+    if args.layers is not None and (not args.random_llama_1b or args.layers < 1):
+        parser.error("--layers takes a positive count, with --random-llama-1b")
+    return args
+
+
 def resolved_dtype(requested: str, device: str = "cpu") -> str:
     """`--dtype` as the engine would load it ("auto" resolved for this machine)."""
     from lora_runtime.dtypes import resolve_dtype  # torch: only the benchmarks that resolve pay for it

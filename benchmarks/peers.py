@@ -73,14 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     options.add_repeats(parser)
     parser.add_argument("--skip-peft", action="store_true")
     parser.add_argument("--skip-llama", action="store_true")
-    parser.add_argument("--random-llama-1b", action="store_true",
-                        help="a random-weight model of Llama-3.2-1B's shape instead of the embedded model (slow)")
-    parser.add_argument("--layers", type=int, default=None,
-                        help="with --random-llama-1b: that many layers instead of its 16 (a quick check)")
-    args = parser.parse_args(argv)
-    if args.layers is not None and (not args.random_llama_1b or args.layers < 1):
-        parser.error("--layers takes a positive count, with --random-llama-1b")
-    return args
+    options.add_random_llama(parser)
+    return options.parse_random_llama(parser, argv)
 
 
 def cpu_model_name() -> str:

@@ -7,7 +7,7 @@ fastest matmul. `Backend.linear(weight, bias)` picks the form; each is a callabl
   on AMD CPUs), `bf16` (`vdpbf16ps` in the AVX512-BF16 form; bf16 weights widened to float32 for
   `vfmadd` in the AVX2 and AVX-512 forms) or `amx` on AMX tiles, each at every batch size: the
   weight is held once, in its kernel's layout (a second copy in oneDNN's layout for prefill-sized
-  batches once doubled the projections' memory; figures in `kernels.tuning`).
+  batches once doubled the projections' memory; figures in docs/benchmarks.md).
 Semantics of the compiled matmuls: `x @ weight.T` accumulated in float32 and rounded to x's dtype
 once (`kernels.reference.linear`).
 

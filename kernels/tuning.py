@@ -149,10 +149,9 @@ PREFILL_QUERY_CHUNK = 256
 # CPU bf16 projections take their form's compiled matmul at every batch size, and no oneDNN copy of
 # the weight is kept (one copy of each projection in memory). Without AMX (kernels/csrc/linear.cpp:
 # `vdpbf16ps` on AVX512-BF16, widened to float32 on AVX-512 and AVX2) it was faster than oneDNN's
-# prepacked matmul at every measured batch but the LM head's single row (docs/benchmarks.md). On AMX
-# (kernels/csrc/amx_linear.cpp, x in chunks of `amx_linear_row_block_bytes`), Llama-3.2-1B's shapes
-# at 128-512 rows, one thread, a busy 2-core Xeon (family 6 model 207): 0.52-0.95x oneDNN's time for
-# q/k/v, o and gate/up, 1.04-1.16x for down (2048 x 8192); the four together 0.81-0.97x.
+# prepacked matmul at every measured batch but the LM head's single row. On AMX
+# (kernels/csrc/amx_linear.cpp, x in chunks of `amx_linear_row_block_bytes`) it is about even with
+# oneDNN at prefill-sized batches, a little slower on the widest reduction (figures in docs/benchmarks.md).
 
 # The AVX512-BF16 form is used only where `vdpbf16ps` does at least this share of the FLOPs per
 # second of float32 FMA (kernels/csrc/peak.cpp's probes, best of FORM_PROBE_TRIES runs of

@@ -27,15 +27,14 @@ class TritonBackend(TorchBackend):
                                "TRITON_INTERPRET=1 before kernels is imported")
         super().__init__(device)
 
-    def linear(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None, *,
-               few_rows: bool = False):
+    def linear(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None):
         """A quantized weight through the Triton matmul over its blocks (kernels/quantized_matmul.py),
         dequantized inside the kernel; a dense one through cuBLAS."""
         if isinstance(weight, QuantizedWeight):
             from kernels.quantized_matmul import TritonQuantizedLinear
 
             return TritonQuantizedLinear(weight, bias, self.device)
-        return super().linear(weight, bias, few_rows=few_rows)
+        return super().linear(weight, bias)
 
     def lora_layout(self, model_dtype: torch.dtype, shapes: Sequence[ModuleShape]) -> LoraLayout:
         return RowPages(model_dtype)

@@ -102,6 +102,13 @@ def test_health_needs_no_token_and_info_needs_one(live) -> None:
     assert info["base_models"] == [live.model_name] and info["limits"]["max_in_flight"] == 4
     backend = kernels.backend_for("cpu")
     adapters = live.state.engine_info.config.adapters
+    budget = live.state.engine_info.memory_budget
+    assert info["runtime"].pop("memory_budget") == {
+        "weights_bytes": budget.weights_bytes, "kv_cache_bytes": budget.kv_cache_bytes,
+        "adapter_pool_bytes": budget.adapter_pool_bytes, "overhead_bytes": budget.overhead_bytes,
+        "total_bytes": budget.total_bytes, "available_bytes": budget.available_bytes}
+    assert budget.total_bytes == (budget.weights_bytes + budget.kv_cache_bytes + budget.adapter_pool_bytes
+                                  + budget.overhead_bytes) <= budget.available_bytes
     assert info["runtime"] == {"dtype": "float32", "kernel_backend": backend.label,  # the live server runs float32
                                "threads": live.state.engine_info.num_threads,
                                "adapter_pool_bytes": adapters.device_pool_bytes,

@@ -9,9 +9,11 @@ gguf package quantizes Q8_0, Q4_0 and Q4_1 only), both served as they are
 median run is kept; tokens per CPU-second and the ratio against bf16 are printed for each number of
 concurrent requests, the last line one JSON object.
 
-`--kernels`: the compiled matmuls over quantized blocks (int8 dot products with and without VNNI, and
-the weights widened to bf16 inside the tiles) against the bf16 compiled matmul, on one projection
-shape at 1-64 rows: the measurement behind `tuning.QUANTIZED_INT8_MAX_ROWS`.
+`--kernels`: the compiled matmuls over quantized blocks (int8 dot products with and without VNNI, the
+weights widened to bf16 inside the tiles, and the AMX-INT8 tiles where present) against the bf16
+compiled matmul, on one projection of Llama-3.2-1B's MLP shape (8192 x 2048) at 1-64 rows, weights
+cycled from memory: the measurement behind the row thresholds `tuning.QUANTIZED_INT8_MAX_ROWS`,
+`QUANTIZED_AMX_MIN_ROWS` and `QUANTIZED_AMX_MAX_ROWS`.
 """
 from __future__ import annotations
 
@@ -102,43 +104,57 @@ def run_engines(args: argparse.Namespace) -> dict:
     return report
 
 
-def _time_per_call(run, repeats: int = 20) -> float:
-    run()
+def _time_per_call(run, copies: int, repeats: int = 12) -> float:
+    """CPU seconds per call of run(copy), the copies taken in turn (so that the weights come from
+    memory, as a model's layers do, not from the cache the previous call filled)."""
+    run(0)
     start = time.process_time()
-    for _ in range(repeats):
-        run()
+    for repeat in range(repeats):
+        run(repeat % copies)
     return (time.process_time() - start) / repeats
 
 
-def run_kernels(out_features: int = 1536, in_features: int = 1536) -> dict:
-    """µs per call of one projection at 1-64 rows: the bf16 compiled matmul, and each of the compiled
-    paths over Q8_0 and Q4_K blocks (int8 dot products with and without VNNI, the widened tiles), called
-    directly whatever `tuning.QUANTIZED_INT8_MAX_ROWS` says."""
-    ops = cpu_ops.ops()
+def _weight_copies(out_features: int, in_features: int, copies: int) -> dict:
+    """`copies` copies of one random projection: packed bf16 for the compiled matmul, and Q8_0 and
+    Q4_K blocks of the same shape."""
     dense = torch.randn(out_features, in_features) * 0.02
-    packed = pack_linear_weight(dense.bfloat16())
-    weights = {}
-    for name in ("Q8_0", "Q4_K"):
-        blocks = quantize(dense.numpy(), GGMLQuantizationType.Q8_0) if name == "Q8_0" else None
-        if blocks is None:  # gguf cannot quantize K-quants: random valid blocks of the same size
-            block = BLOCK_TYPES[name]
-            blocks = np.random.default_rng(0).integers(0, 16, (out_features, in_features // block.block_elements * block.block_bytes), dtype=np.uint8)
-        weights[name] = QuantizedTensor(BLOCK_TYPES[name], torch.from_numpy(blocks), in_features)
+    q8_0 = torch.from_numpy(quantize(dense.numpy(), GGMLQuantizationType.Q8_0))
+    q4_k = BLOCK_TYPES["Q4_K"]  # gguf cannot quantize K-quants: random valid blocks of the same size
+    q4_k_bytes = np.random.default_rng(0).integers(
+        0, 16, (out_features, in_features // q4_k.block_elements * q4_k.block_bytes), dtype=np.uint8)
+    weights = {"bf16": [pack_linear_weight(dense.bfloat16()) for _ in range(copies)]}
+    for name, blocks in (("Q8_0", q8_0), ("Q4_K", torch.from_numpy(q4_k_bytes))):
+        weights[name] = [QuantizedTensor(BLOCK_TYPES[name], blocks.clone(), in_features) for _ in range(copies)]
+    return weights
+
+
+def run_kernels(out_features: int = 8192, in_features: int = 2048, copies: int = 12) -> dict:
+    """ms per call of one projection at 1-64 rows, its weights cycled over `copies` copies (bf16 copies
+    beyond the last-level cache): the bf16 compiled matmul, and each compiled path over Q8_0 and Q4_K
+    blocks (int8 dot products with and without VNNI, the widened tiles, the AMX-INT8 tiles where this
+    CPU and form have them), called directly whatever the row thresholds of kernels/tuning.py say."""
+    ops = cpu_ops.ops()
+    weights = _weight_copies(out_features, in_features, copies)
     report = {}
-    for rows in (1, 4, 16, 32, 64):
+    for rows in (1, 8, 16, 32, 64):
         x = torch.randn(rows, in_features).bfloat16()
         out = torch.empty(rows, out_features, dtype=torch.bfloat16)
-        figures = {"bf16": _time_per_call(lambda: linear_packed(x, packed))}
-        for name, tensor in weights.items():
-            figures[f"{name}_int8"] = _time_per_call(lambda: ops.quantized_linear(out, x, tensor.data, tensor.block_type.ggml_type))
+        figures = {"bf16": _time_per_call(lambda i: linear_packed(x, weights["bf16"][i]), copies)}
+        for name in ("Q8_0", "Q4_K"):
+            paths = {"int8": ops.quantized_linear, "widened": ops.quantized_linear_widened}
+            if ops.has_quantized_amx():
+                paths["amx_int8"] = ops.quantized_linear_amx
+            for path, kernel in paths.items():
+                figures[f"{name}_{path}"] = _time_per_call(
+                    lambda i: kernel(out, x, weights[name][i].data, weights[name][i].block_type.ggml_type), copies)
             with cpu_ops.without_vnni():
                 figures[f"{name}_int8_no_vnni"] = _time_per_call(
-                    lambda: ops.quantized_linear(out, x, tensor.data, tensor.block_type.ggml_type))
-            figures[f"{name}_widened"] = _time_per_call(
-                lambda: ops.quantized_linear_widened(out, x, tensor.data, tensor.block_type.ggml_type))
-        report[rows] = {name: seconds * 1e6 for name, seconds in figures.items()}
-        logger.info("%d rows: %s (µs per call; int8 path up to %d rows)", rows,
-                    ", ".join(f"{n} {us:.0f}" for n, us in report[rows].items()), tuning.QUANTIZED_INT8_MAX_ROWS)
+                    lambda i: ops.quantized_linear(out, x, weights[name][i].data, weights[name][i].block_type.ggml_type),
+                    copies)
+        report[rows] = {name: seconds * 1e3 for name, seconds in figures.items()}
+        logger.info("%d rows: %s (ms per call; int8 up to %d rows, AMX-INT8 from %d to %d)", rows,
+                    ", ".join(f"{n} {seconds * 1e3:.2f} ({figures['bf16'] / seconds:.2f}x bf16)" for n, seconds in figures.items()),
+                    tuning.QUANTIZED_INT8_MAX_ROWS, tuning.QUANTIZED_AMX_MIN_ROWS, tuning.QUANTIZED_AMX_MAX_ROWS)
     return report
 
 

@@ -16,7 +16,8 @@ CSRC = Path(__file__).resolve().with_name("csrc")
 
 # Sources of every form's library; bindings.cpp alone makes the Python extension `kernels._cpu_ops`.
 FORM_SOURCES = ("attention.cpp", "elementwise.cpp", "reductions.cpp", "lora.cpp", "linear.cpp",
-                "amx_linear.cpp", "peak.cpp", "table.cpp", "quantized.cpp", "quantized_tiles.cpp")
+                "amx_linear.cpp", "peak.cpp", "table.cpp", "quantized.cpp", "quantized_tiles.cpp",
+                "quantized_amx.cpp")
 BINDINGS_SOURCES = ("bindings.cpp",)
 # The bindings split each op over PyTorch's thread pool with `at::parallel_for`, which PyTorch's CPU
 # wheel inlines from its headers as an OpenMP parallel region: compiled without -fopenmp the pragma is
@@ -36,7 +37,7 @@ FORMS: dict[str, list[str]] = {
     "avx2": _AVX2,
     "avx512": _AVX512,
     "avx512_bf16": _AVX512 + ["-mavx512bf16"],
-    "amx": _AVX512 + ["-mavx512bf16", "-mamx-tile", "-mamx-bf16"],
+    "amx": _AVX512 + ["-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mamx-int8"],
 }
 X86_ONLY = ("avx2", "avx512", "avx512_bf16", "amx")
 

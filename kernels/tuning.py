@@ -216,3 +216,7 @@ def decode_splits(num_programs: int, max_seq_len: int) -> int:
 # `python -m benchmarks.quantized --kernels` (one thread) on the CPU at hand: on the Xeon family 6
 # model 207 the widened path overtook the int8 one between 8 and 16 rows (Q8_0 and Q4_K).
 QUANTIZED_INT8_MAX_ROWS = 8
+# Where the CPU has AMX-INT8 (the AMX form; kernels/csrc/quantized_amx.cpp), batches of this many rows
+# multiply on its int8 tiles instead of either path above. (Measurement: see below.)
+QUANTIZED_AMX_MIN_ROWS = 8
+QUANTIZED_AMX_MAX_ROWS = 64

@@ -593,6 +593,23 @@ bool use_vnni(bool allowed) {
 
 std::string quantized_int8_dot() { return table().quantized_int8_dot(int8_dots({})); }
 
+// Whether quantized_linear_amx runs here: the active form has it, and this CPU has AMX-INT8 (cpuid
+// 7.0 edx bit 25; the AMX form needs AMX-BF16, and no CPU is bound to have both) and grants the tile
+// state. Read once: `cpuid` traps to the hypervisor in a virtual machine, and this is asked per call.
+bool cpu_has_amx_int8() {
+#if defined(__x86_64__)
+  static const bool has = [] {
+    uint32_t eax, ebx, ecx, edx;
+    return __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) && bit(edx, 25) && amx_permission_granted();
+  }();
+  return has;
+#else
+  return false;
+#endif
+}
+
+bool has_quantized_amx() { return table().quantized_linear_amx != nullptr && cpu_has_amx_int8(); }
+
 // GGML block type number -> (elements, bytes) of a block (kernels/quantized.py BLOCK_TYPES).
 std::pair<int64_t, int64_t> ggml_block(int64_t ggml_type) {
   static const std::map<int64_t, std::pair<int64_t, int64_t>> blocks{
@@ -630,6 +647,14 @@ void quantized_linear_widened(torch::Tensor out, torch::Tensor x, torch::Tensor 
   const cpu_ops::QuantizedLinearArgs args = quantized_args(out, x, blocks, ggml_type);
   if (x.size(0) == 0) return;
   run_tasks(table().quantized_linear_widened, args, (blocks.size(0) + 31) / 32, 1);
+}
+
+// Tasks: groups of 32 output columns, each unpacked once into L2 for all rows (quantized_amx.cpp).
+void quantized_linear_amx(torch::Tensor out, torch::Tensor x, torch::Tensor blocks, int64_t ggml_type) {
+  TORCH_CHECK(has_quantized_amx(), "the active form or this CPU has no AMX-INT8 matmul");
+  const cpu_ops::QuantizedLinearArgs args = quantized_args(out, x, blocks, ggml_type);
+  if (x.size(0) == 0) return;
+  run_tasks(table().quantized_linear_amx, args, (blocks.size(0) + 31) / 32, 1);
 }
 
 void dequantize_rows(torch::Tensor out, torch::Tensor blocks, int64_t ggml_type) {
@@ -675,5 +700,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_rows", &dequantize_rows);
   m.def("quantized_linear_widened", &quantized_linear_widened);
   m.def("quantized_int8_dot", &quantized_int8_dot);
+  m.def("quantized_linear_amx", &quantized_linear_amx);
+  m.def("has_quantized_amx", &has_quantized_amx);
   m.def("use_vnni", &use_vnni);
 }

@@ -14,7 +14,7 @@ namespace cpu_ops {
 
 // Bumped whenever a struct below or the table changes: a form library built from other sources is
 // refused by the bindings instead of being called with the wrong layout.
-constexpr int32_t kAbiVersion = 12;
+constexpr int32_t kAbiVersion = 13;
 
 enum class DType : int32_t { f32 = 0, bf16 = 1, f16 = 2 };
 
@@ -213,6 +213,9 @@ struct KernelTable {
   // bf16 x by weights widened to bf16 in groups of 32 rows on the form's tiles (quantized_tiles.cpp);
   // tasks: groups of 32 output columns.
   void (*quantized_linear_widened)(const QuantizedLinearArgs&, int64_t begin, int64_t end);
+  // The same matmul as quantized_linear (x quantized per 32 elements) on AMX-INT8 tiles
+  // (quantized_amx.cpp); null where the form has no AMX-INT8. Tasks: groups of 32 output columns.
+  void (*quantized_linear_amx)(const QuantizedLinearArgs&, int64_t begin, int64_t end);
 };
 
 }  // namespace cpu_ops

@@ -42,5 +42,14 @@ void quantized_linear_widened(const QuantizedLinearArgs& args, int64_t begin, in
 // types: that rounded once).
 int64_t quantized_row_bytes(int32_t ggml_type, int64_t k);
 void dequantize_row(int32_t ggml_type, const uint8_t* blocks, int64_t k, DType dtype, void* out);
+// Shared by quantized.cpp and quantized_amx.cpp: one row of k weights unpacked (w[j] = scales[j / 16] *
+// q[j] + offsets[j / 32]; q [k], scales [k / 16], offsets [k / 32]), whether the type has offsets, and
+// 32 elements of x quantized to int8 as the int8 matmuls do (q = round(x / d), d = amax / 127; returns
+// d, and d * sum(q) in scaled_sum).
+void unpack_quantized_row(int32_t ggml_type, const uint8_t* blocks, int64_t k, int8_t* q, float* scales, float* offsets);
+bool quantized_has_offsets(int32_t ggml_type);
+template <typename T>
+float quantize_x_block(const T* x, int8_t* q, float& scaled_sum);
+void quantized_linear_amx(const QuantizedLinearArgs& args, int64_t begin, int64_t end);
 
 }  // namespace cpu_ops

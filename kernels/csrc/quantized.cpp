@@ -221,18 +221,8 @@ int64_t num_steps(int64_t k) { return (k + kXStep - 1) / kXStep; }
 
 template <typename T>
 void quantize_block(const T* x, int8_t* q, float* lane_scales, float& scaled_sum) {
-  float values[kXBlock], amax = 0.f;
-  to_float(x, values, kXBlock);
-  for (int i = 0; i < kXBlock; ++i) amax = std::max(amax, std::fabs(values[i]));
-  const float scale = amax / 127.f;
-  const float inverse = amax > 0.f ? 127.f / amax : 0.f;
-  int sum = 0;
-  for (int i = 0; i < kXBlock; ++i) {
-    q[i] = static_cast<int8_t>(std::nearbyint(values[i] * inverse));
-    sum += q[i];
-  }
+  const float scale = quantize_x_block(x, q, scaled_sum);
   for (int i = 0; i < kXBlock / 4; ++i) lane_scales[i] = scale;
-  scaled_sum = scale * static_cast<float>(sum);
 }
 
 void quantize_rows(const QuantizedLinearArgs& args, QuantizedRows& out) {
@@ -496,6 +486,32 @@ int64_t quantized_row_bytes(int32_t ggml_type, int64_t k) {
   const BlockShape shape = block_shape(ggml_type);
   return k / shape.elements * shape.bytes;
 }
+
+void unpack_quantized_row(int32_t ggml_type, const uint8_t* blocks, int64_t k, int8_t* q, float* scales, float* offsets) {
+  unpack_row(ggml_type, blocks, k, {q, scales, offsets});
+}
+
+bool quantized_has_offsets(int32_t ggml_type) { return has_offsets(ggml_type); }
+
+template <typename T>
+float quantize_x_block(const T* x, int8_t* q, float& scaled_sum) {
+  float values[kXBlock], amax = 0.f;
+  to_float(x, values, kXBlock);
+  for (int i = 0; i < kXBlock; ++i) amax = std::max(amax, std::fabs(values[i]));
+  const float scale = amax / 127.f;
+  const float inverse = amax > 0.f ? 127.f / amax : 0.f;
+  int sum = 0;
+  for (int i = 0; i < kXBlock; ++i) {
+    q[i] = static_cast<int8_t>(std::nearbyint(values[i] * inverse));
+    sum += q[i];
+  }
+  scaled_sum = scale * static_cast<float>(sum);
+  return scale;
+}
+
+template float quantize_x_block<float>(const float*, int8_t*, float&);
+template float quantize_x_block<bf16>(const bf16*, int8_t*, float&);
+template float quantize_x_block<f16>(const f16*, int8_t*, float&);
 
 namespace {
 

@@ -41,6 +41,9 @@ cpu_ops::KernelTable make_table() {
   table.quantized_int8_dot = &cpu_ops::quantized_int8_dot;
   table.dequantize_rows = &cpu_ops::dequantize_rows;
   table.quantized_linear_widened = &cpu_ops::quantized_linear_widened;
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
+  table.quantized_linear_amx = &cpu_ops::quantized_linear_amx;
+#endif
   return table;
 }
 

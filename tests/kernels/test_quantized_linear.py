@@ -2,7 +2,8 @@
 with and without VNNI's int8 dot products, against its twin `kernels.reference.quantized_linear`
 within the error of quantizing x per 32 elements to int8; the compiled dequantization bit-exact
 against `kernels.reference.dequantize`; the widened matmul of larger bf16 batches (weights widened to
-bf16 inside the tiles) against the float32 matmul of the same bf16-rounded weights; `QuantizedLinear`
+bf16 inside the tiles) against the float32 matmul of the same bf16-rounded weights; the AMX-INT8 matmul
+(skipped where the CPU or the build lacks it) within the same bound as the int8 one; `QuantizedLinear`
 over mixed parts, all its paths; and the split over threads equal to one thread's result bit for bit."""
 from __future__ import annotations
 
@@ -113,6 +114,64 @@ def test_dequantize_rows_as_the_reference(form: str, type_name: str, dtype: torc
                        expected.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)), "not bit-exact"
 
 
+@contextlib.contextmanager
+def _amx_int8():
+    if cpu_ops.unavailable_reason("amx") is not None:
+        pytest.skip(cpu_ops.unavailable_reason("amx"))
+    with cpu_ops.using_form("amx") as ops:
+        if not ops.has_quantized_amx():
+            pytest.skip("this CPU has no AMX-INT8")
+        yield ops
+
+
+def _amx(ops, x: torch.Tensor, tensor: QuantizedTensor) -> torch.Tensor:
+    out = torch.empty(x.shape[0], tensor.rows, dtype=x.dtype)
+    ops.quantized_linear_amx(out, x, tensor.data, tensor.block_type.ggml_type)
+    return out
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 47, 70])
+@pytest.mark.parametrize("columns", [3, 37])  # less than a group of 32; a group and 5 more
+@pytest.mark.parametrize("k", [256, K, ODD_BLOCKS_K])
+def test_amx_int8_matmul_within_the_quantization_bound(type_name: str, rows: int, columns: int, k: int) -> None:
+    if k % BLOCK_TYPES[type_name].block_elements:
+        pytest.skip(f"{type_name} rows are whole blocks of {BLOCK_TYPES[type_name].block_elements}")
+    tensor = random_blocks(type_name, columns, k, seed=rows + columns)
+    x = _x(rows, k=k, seed=rows)
+    with _amx_int8() as ops:
+        ours = _amx(ops, x, tensor)
+    weight = QuantizedWeight.of([tensor])
+    twin = reference.quantized_linear(x, weight)
+    error = (ours - twin).abs()
+    bound = quantization_bound(x, weight)
+    assert (error <= bound).all(), f"error {error.max():.3g} beyond the bound where {(error - bound).max():.3g}"
+    assert bound.max() < 0.02 * (x.abs() @ reference.dequantize(tensor).abs().T).max(), "the bound is a tight one"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_amx_int8_16_bit_activations_rounded_once(dtype: torch.dtype) -> None:
+    tensor = random_blocks("Q5_K", 40, K, seed=3)
+    x = _x(21, dtype=dtype, seed=3)
+    with _amx_int8() as ops:
+        ours = _amx(ops, x, tensor)
+    assert ours.dtype == dtype
+    weight = QuantizedWeight.of([tensor])
+    twin = reference.quantized_linear(x.float(), weight)
+    rounding = twin.abs() * torch.finfo(dtype).eps
+    assert ((ours.float() - twin).abs() <= quantization_bound(x, weight) + rounding).all()
+
+
+def test_amx_int8_refused_where_absent() -> None:
+    if cpu_ops.unavailable_reason("avx512") is not None:
+        pytest.skip(cpu_ops.unavailable_reason("avx512"))
+    tensor = random_blocks("Q8_0", 2, 64)
+    with cpu_ops.using_form("avx512") as ops:
+        assert not ops.has_quantized_amx()
+        with pytest.raises(RuntimeError, match="AMX-INT8"):
+            _amx(ops, torch.randn(16, 64), tensor)
+
+
 def _widened(ops, x: torch.Tensor, tensor: QuantizedTensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], tensor.rows, dtype=x.dtype)
     ops.quantized_linear_widened(out, x, tensor.data, tensor.block_type.ggml_type)
@@ -136,12 +195,14 @@ def test_widened_matmul_as_the_float32_matmul_of_bf16_weights(form: str, type_na
     assert ((ours.float() - twin).abs() <= bound).all()
 
 
-@pytest.mark.parametrize("widened", [False, True])
-def test_two_threads_equal_one_bit_for_bit(widened: bool) -> None:
+@pytest.mark.parametrize("path", ["int8", "widened", "amx_int8"])
+def test_two_threads_equal_one_bit_for_bit(path: str) -> None:
     tensor = random_blocks("Q6_K", 301, K, seed=2)
-    x = _x(40 if widened else 4, seed=2, dtype=torch.bfloat16 if widened else torch.float32)
+    x = _x(4 if path == "int8" else 40, seed=2, dtype=torch.bfloat16 if path == "widened" else torch.float32)
     ops = cpu_ops.ops()
-    multiply = _widened if widened else _compiled
+    if path == "amx_int8" and not ops.has_quantized_amx():
+        pytest.skip("the active form or this CPU has no AMX-INT8 matmul")
+    multiply = {"int8": _compiled, "widened": _widened, "amx_int8": _amx}[path]
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -153,7 +214,13 @@ def test_two_threads_equal_one_bit_for_bit(widened: bool) -> None:
     assert torch.equal(serial, parallel)
 
 
-@pytest.mark.parametrize("rows", [2, tuning.QUANTIZED_INT8_MAX_ROWS + 7])
+def _multiplies_int8(rows: int) -> bool:
+    """Whether QuantizedLinear takes an int8 path (dot products or AMX-INT8 tiles) at `rows` here."""
+    amx = cpu_ops.ops().has_quantized_amx() and tuning.QUANTIZED_AMX_MIN_ROWS <= rows <= tuning.QUANTIZED_AMX_MAX_ROWS
+    return rows <= tuning.QUANTIZED_INT8_MAX_ROWS or amx
+
+
+@pytest.mark.parametrize("rows", [2, tuning.QUANTIZED_INT8_MAX_ROWS + 7, tuning.QUANTIZED_AMX_MAX_ROWS + 7])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_linear_over_mixed_parts_with_bias(rows: int, dtype: torch.dtype) -> None:
     parts = [random_blocks("Q4_K", 3, 512, seed=1), random_blocks("Q6_K", 5, 512, seed=2),
@@ -165,7 +232,7 @@ def test_quantized_linear_over_mixed_parts_with_bias(rows: int, dtype: torch.dty
     product = reference.quantized_linear(x.float(), weight)
     twin = product + bias.float()
     rounding = (product.abs() + twin.abs()) * torch.finfo(dtype).eps  # the product's and the sum's
-    if rows <= tuning.QUANTIZED_INT8_MAX_ROWS:
+    if _multiplies_int8(rows):
         assert ((ours - twin).abs() <= quantization_bound(x, weight) + rounding).all()
     elif dtype == torch.float32:  # widened: the float32 matmul of the same weights
         torch.testing.assert_close(ours, twin, rtol=1e-5, atol=1e-4)

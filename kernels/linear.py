@@ -108,8 +108,8 @@ class QuantizedLinear:
     """A quantized weight multiplied by the compiled CPU ops over its blocks (kernels/csrc/quantized.cpp):
     batches of up to `tuning.QUANTIZED_INT8_MAX_ROWS` rows by int8 dot products (x quantized per 32
     elements to int8 on the fly: `kernels.reference.quantized_linear` within x's quantization error),
-    those of `tuning.QUANTIZED_AMX_MIN_ROWS` to `QUANTIZED_AMX_MAX_ROWS` rows by the same arithmetic on
-    AMX-INT8 tiles where the CPU has them (kernels/csrc/quantized_amx.cpp),
+    those within `tuning.quantized_amx_rows(type)` by the same arithmetic on AMX-INT8 tiles where the CPU
+    has them (kernels/csrc/quantized_amx.cpp; this choice comes first),
     larger bf16 ones by the weights widened to bf16 32 rows at a time inside the compiled tiles
     (kernels/csrc/quantized_tiles.cpp), larger float32 ones by each part widened once per call for the
     library matmul. Only the blocks stay resident."""
@@ -132,7 +132,8 @@ class QuantizedLinear:
 def _multiply_part(x: torch.Tensor, part: QuantizedTensor, out: torch.Tensor) -> None:
     """out [M, part.rows] = x [M, K] @ the part's weight.T (x float32, bf16 or float16)."""
     ops = cpu_ops.ops()
-    if tuning.QUANTIZED_AMX_MIN_ROWS <= x.shape[0] <= tuning.QUANTIZED_AMX_MAX_ROWS and ops.has_quantized_amx():
+    fewest, most = tuning.quantized_amx_rows(part.block_type.name)
+    if fewest <= x.shape[0] <= most and ops.has_quantized_amx():
         ops.quantized_linear_amx(out, x, part.data, part.block_type.ggml_type)
         return
     if x.shape[0] <= tuning.QUANTIZED_INT8_MAX_ROWS or x.dtype not in (torch.float32, torch.bfloat16):

@@ -216,7 +216,25 @@ def decode_splits(num_programs: int, max_seq_len: int) -> int:
 # `python -m benchmarks.quantized --kernels` (one thread) on the CPU at hand: on the Xeon family 6
 # model 207 the widened path overtook the int8 one between 8 and 16 rows (Q8_0 and Q4_K).
 QUANTIZED_INT8_MAX_ROWS = 8
-# Where the CPU has AMX-INT8 (the AMX form; kernels/csrc/quantized_amx.cpp), batches of this many rows
-# multiply on its int8 tiles instead of either path above. (Measurement: see below.)
-QUANTIZED_AMX_MIN_ROWS = 8
-QUANTIZED_AMX_MAX_ROWS = 64
+# Where the CPU has AMX-INT8 (the AMX form; kernels/csrc/quantized_amx.cpp), batches within these row
+# ranges multiply on its int8 tiles instead of either path above, whatever QUANTIZED_INT8_MAX_ROWS says.
+# Measured with `python -m benchmarks.quantized --kernels` (one thread, 8192 x 2048, weights cycled from
+# memory, the least of 12 calls, a busy machine; 128 rows from a second run) on the Xeon family 6
+# model 207; ms per call:
+#   rows               1     4     8     16    32    64   (128)
+#   bf16 matmul        2.80  2.88  2.80  2.80  2.88  3.51  4.88
+#   Q8_0 AMX-INT8      1.72  1.85  1.89  2.05  3.17  5.50  10.22
+#   Q8_0 int8 / wide   2.55  3.47  4.91  5.78  6.10  7.53  11.72  (int8 dots to 8 rows, widened above)
+#   Q4_K AMX-INT8      3.95  3.74  3.74  3.82  4.63  7.59  13.47
+#   Q4_K int8 / wide   2.48  3.57  5.34  5.87  6.49  7.65  10.77  (int8 dots to 8 rows, widened above)
+# Q8_0's tiles load straight from its blocks and win from one row to 128 (the last measured); every
+# other type is unpacked first (a pass through L2 that costs about as much as a call at one row), which
+# the int8 dot products beat below 8 rows; the widened tiles, 1.4x slower at 32 rows, are even at 64:
+# the range ends between the two.
+QUANTIZED_AMX_ROWS_Q8_0 = (1, 128)
+QUANTIZED_AMX_ROWS_UNPACKED = (8, 48)
+
+
+def quantized_amx_rows(type_name: str) -> tuple[int, int]:
+    """The fewest and most rows the AMX-INT8 matmul takes for blocks of `type_name`."""
+    return QUANTIZED_AMX_ROWS_Q8_0 if type_name == "Q8_0" else QUANTIZED_AMX_ROWS_UNPACKED

@@ -3,17 +3,19 @@
 // the widened tiles (quantized_tiles.cpp) pay for widening every weight to bf16.
 //
 // The same arithmetic as quantized.cpp's int8 path, hence its error bound: x quantized per block of
-// 32 to int8 (quantize_x_block), the weights unpacked to int8 with a float scale per 16 and an offset
-// per 32 (unpack_quantized_row). A tile product spans one scale group of K (kStep: 32 elements, or
-// 16 for Q6_K, whose scales are per 16), so that each int32 sum of the tile is one group's, and is
-// scaled in float32 by the weight row's scale times x's block scale and summed over the groups; the
-// offsets add offset * d * sum(q) per block, as in quantized.cpp.
+// 32 to int8 (quantize_x_block), the weights as int8 with a float scale per 16 and an offset per 32
+// (unpack_quantized_row). A tile product spans one scale group of K (kStep: 32 elements, or 16 for
+// Q6_K, whose scales are per 16), so that each int32 sum of the tile is one group's, and is scaled in
+// float32 by the weight row's scale times x's block scale and summed over the groups; the offsets add
+// offset * d * sum(q) per block, as in quantized.cpp.
 //
-// Operands: 32 weight rows (a task) unpacked into an L2 buffer, 16 per row-operand tile, straight
-// from their rows (no transposition); x packed once per call (per thread) as the column operand,
-// blocks of 16 rows with each 4 consecutive elements of a row together:
+// Operands: 32 weight rows (a task) as the row operand, 16 rows a tile, straight from their rows (no
+// transposition): Q8_0's from the blocks themselves (a block is one step: its f16 scale, then 32
+// int8), every other type's unpacked first into an L2 buffer; x packed once per call (per thread) as
+// the column operand, blocks of 16 rows with each 4 consecutive elements of a row together:
 // x_packed[row_block][k / 4][16][4]. The int32 tiles [16 weight rows][16 x rows] are stored and
-// scaled into a float32 block [32 weight rows][32 x rows], written transposed into out once.
+// scaled into a float32 block [32 weight rows][32 x rows], written transposed into out once. Figures
+// (benchmarks/quantized.py --kernels) and the row thresholds that follow from them: kernels/tuning.py.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -33,6 +35,8 @@ namespace {
 constexpr int64_t kGroupRows = 32;  // weight rows unpacked together: a task
 constexpr int64_t kRowBlock = 16;  // x rows per packed block (a tile's columns)
 constexpr int64_t kXBlock = 32;  // x's quantization block
+constexpr int32_t kQ8_0 = 8, kQ6_K = 14;  // GGML types: Q6_K's scales are per 16 elements
+constexpr int64_t kQ8_0Bytes = 34;  // a Q8_0 block: an f16 scale, then 32 int8
 
 // Bytes from one unpacked weight row to the next: k and a line more, so that a tile's 16 rows do not
 // all fall in one L1 set when k is a multiple of 4 KiB.
@@ -100,19 +104,50 @@ void configure_int8_tiles() {
 // acc[16 weight rows][32 x rows] (row stride 32) += sums[n][m] * weight_scales[n] * x_scales[m]
 // (+ offsets[n] * scaled_sums[m] where the type has offsets): one int32 tile of one step.
 template <bool kOffsets>
-inline void scale_tile(const int32_t* sums, const float* weight_scales, int64_t scale_stride, const float* x_scales,
-                       const float* offsets, int64_t offset_stride, const float* scaled_sums, float* acc) {
+inline void scale_tile(const int32_t* sums, const float* weight_scales, const float* x_scales, const float* offsets,
+                       int64_t offset_stride, const float* scaled_sums, float* acc) {
   const __m512 x_scale = _mm512_loadu_ps(x_scales);
   [[maybe_unused]] __m512 x_sums;
   if constexpr (kOffsets) x_sums = _mm512_loadu_ps(scaled_sums);
   for (int n = 0; n < 16; ++n) {
     const __m512 products = _mm512_cvtepi32_ps(_mm512_loadu_si512(sums + 16 * n));
-    __m512 total = _mm512_fmadd_ps(products, _mm512_mul_ps(x_scale, _mm512_set1_ps(weight_scales[n * scale_stride])),
+    __m512 total = _mm512_fmadd_ps(products, _mm512_mul_ps(x_scale, _mm512_set1_ps(weight_scales[n])),
                                    _mm512_loadu_ps(acc + 2 * kRowBlock * n));
     if constexpr (kOffsets) total = _mm512_fmadd_ps(_mm512_set1_ps(offsets[n * offset_stride]), x_sums, total);
     _mm512_storeu_ps(acc + 2 * kRowBlock * n, total);
   }
 }
+
+// The group's 32 weight rows as the tiles read them: step s's row-operand tiles at q + s * step_bytes,
+// rows `stride` apart. Unpacked (UnpackedGroup), or, for a whole group of Q8_0 rows, the blocks as
+// they are: a Q8_0 block is one step's 32 int8 after its f16 scale, so its tiles load straight from
+// the blocks and nothing is unpacked (unpacking, a pass through L2, cost as much as the multiplying).
+struct Weights {
+  const int8_t* q;
+  int64_t stride, step_bytes;
+  const float* scales;  // unpacked: [32][k / 16]; null for Q8_0 blocks (their f16 scales are read)
+  const float* offsets;  // [32][k / 32]
+
+  // The scales of the 32 rows at `step` (of kStep elements), gathered 16 rows at a time (one at a
+  // time, they cost half as much as the scaling they feed).
+  template <int64_t kStep>
+  void step_scales(int64_t step, int64_t k, float* out) const {
+    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int half = 0; half < 2; ++half) {
+      const __m512i rows = _mm512_add_epi32(lanes, _mm512_set1_epi32(16 * half));
+      __m512 values;
+      if (scales == nullptr) {  // each f16 in the low half of the dword gathered from 2 bytes before the step
+        const __m512i words = _mm512_i32gather_epi32(_mm512_mullo_epi32(rows, _mm512_set1_epi32(static_cast<int32_t>(stride))),
+                                                     q + step * step_bytes - 2, 1);
+        values = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
+      } else {
+        values = _mm512_i32gather_ps(_mm512_mullo_epi32(rows, _mm512_set1_epi32(static_cast<int32_t>(k / 16))),
+                                     scales + step * kStep / 16, 4);
+      }
+      _mm512_storeu_ps(out + 16 * half, values);
+    }
+  }
+};
 
 // The int32 sums of one step into sums[2 i + j] (weight tile i, x row block rb + j of kBlocks).
 template <int kBlocks>
@@ -158,31 +193,32 @@ struct Upcoming {
 // run before the scaling of step s, so that the tile unit and the vector units overlap (in step
 // order, each step waited for its own tile stores).
 template <int64_t kStep, bool kOffsets, int kBlocks>
-void multiply_blocks(const UnpackedGroup& group, const PackedX& x, int64_t k, int64_t rb, Upcoming& upcoming, float* acc) {
+void multiply_blocks(const Weights& weights, const PackedX& x, int64_t k, int64_t rb, Upcoming& upcoming, float* acc) {
   alignas(64) int32_t sums[2][4][16 * 16];
-  const int64_t stride = unpacked_stride(k), scale_stride = k / 16, offset_stride = k / kXBlock;
+  alignas(64) float weight_scales[kGroupRows];
+  const int64_t stride = weights.stride, offset_stride = k / kXBlock;
   const int64_t num_blocks = k / kXBlock, block_elements = kRowBlock * k, steps = k / kStep;
   const int8_t* x_q = x.q.data() + rb * block_elements;
   std::fill(acc, acc + kGroupRows * 2 * kRowBlock, 0.f);
-  multiply_step<kBlocks>(group.q.data(), stride, x_q, block_elements, sums[0]);
+  multiply_step<kBlocks>(weights.q, stride, x_q, block_elements, sums[0]);
   for (int64_t step = 0; step < steps; ++step) {
     if (step + 1 < steps)
-      multiply_step<kBlocks>(group.q.data() + (step + 1) * kStep, stride, x_q + (step + 1) * kStep * kRowBlock,
+      multiply_step<kBlocks>(weights.q + (step + 1) * weights.step_bytes, stride, x_q + (step + 1) * kStep * kRowBlock,
                              block_elements, sums[(step + 1) % 2]);
     upcoming.step();
-    const int64_t element = step * kStep, block = element / kXBlock, scale_at = element / 16;
+    weights.step_scales<kStep>(step, k, weight_scales);
+    const int64_t element = step * kStep, block = element / kXBlock;
     const bool adds_offsets = kOffsets && element % kXBlock == 0;  // once per block (kStep is 32 then)
     for (int i = 0; i < 2; ++i) {
       for (int j = 0; j < kBlocks; ++j) {
         const int64_t x_at = ((rb + j) * num_blocks + block) * kRowBlock;
-        const float* weight_scales = group.scales.data() + 16 * i * scale_stride + scale_at;
-        const float* offsets = group.offsets.data() + 16 * i * offset_stride + block;
+        const float* offsets = weights.offsets + 16 * i * offset_stride + block;
         float* acc_tile = acc + 16 * i * 2 * kRowBlock + 16 * j;
         if (adds_offsets)
-          scale_tile<true>(sums[step % 2][2 * i + j], weight_scales, scale_stride, x.scales.data() + x_at, offsets,
+          scale_tile<true>(sums[step % 2][2 * i + j], weight_scales + 16 * i, x.scales.data() + x_at, offsets,
                            offset_stride, x.scaled_sums.data() + x_at, acc_tile);
         else
-          scale_tile<false>(sums[step % 2][2 * i + j], weight_scales, scale_stride, x.scales.data() + x_at, offsets,
+          scale_tile<false>(sums[step % 2][2 * i + j], weight_scales + 16 * i, x.scales.data() + x_at, offsets,
                             offset_stride, x.scaled_sums.data() + x_at, acc_tile);
       }
     }
@@ -202,7 +238,7 @@ void store_transposed(const float* acc, int64_t columns, int64_t first_row, cons
 }
 
 template <int64_t kStep, bool kOffsets>
-void multiply_group(const UnpackedGroup& group, const PackedX& x, int64_t row_blocks, int64_t columns,
+void multiply_group(const Weights& group, const PackedX& x, int64_t row_blocks, int64_t columns,
                     const QuantizedLinearArgs& args, int64_t first_column, Upcoming upcoming) {
   alignas(64) float acc[kGroupRows * 2 * kRowBlock];
   for (int64_t rb = 0; rb < row_blocks; rb += 2) {
@@ -224,17 +260,22 @@ void multiply_groups(const QuantizedLinearArgs& args, const PackedX& x, int64_t 
   const int64_t row_bytes = quantized_row_bytes(args.ggml_type, args.k);
   const int64_t group_steps = (row_blocks + 1) / 2 * (args.k / kStep);
   for (int64_t g = begin; g < end; ++g) {
-    const int64_t columns = unpack_group(args, g * kGroupRows, group);
+    const int64_t first = g * kGroupRows, columns = std::min(kGroupRows, args.n - first);
+    const bool direct = args.ggml_type == kQ8_0 && columns == kGroupRows;
+    Weights weights{reinterpret_cast<const int8_t*>(args.blocks + first * row_bytes) + 2, row_bytes, kQ8_0Bytes,
+                    nullptr, group.offsets.data()};
+    if (!direct) {
+      unpack_group(args, first, group);
+      weights = {group.q.data(), unpacked_stride(args.k), kStep, group.scales.data(), group.offsets.data()};
+    }
     const int64_t next_first = (g + 1) * kGroupRows, next_rows = std::clamp<int64_t>(args.n - next_first, 0, kGroupRows);
     const int64_t next_lines = g + 1 < end ? (next_rows * row_bytes + 63) / 64 : 0;
     const Upcoming upcoming{reinterpret_cast<const char*>(args.blocks + next_first * row_bytes),
                             (next_lines + group_steps - 1) / group_steps, next_lines};
-    multiply_group<kStep, kOffsets>(group, x, row_blocks, columns, args, g * kGroupRows, upcoming);
+    multiply_group<kStep, kOffsets>(weights, x, row_blocks, columns, args, first, upcoming);
   }
   _tile_release();
 }
-
-constexpr int32_t kQ6_K = 14;  // the one type whose scales are per 16 elements
 
 }  // namespace
 

@@ -52,7 +52,7 @@ def q5_0_file(tmp_path_factory) -> Path:
     from transformers import LlamaForCausalLM
 
     dims = TinyDims()
-    torch.manual_seed(11)  # q8_0_file's model: its greedy tokens have no near-tie the int8 path could flip
+    torch.manual_seed(11)  # q8_0_file's model
     model = LlamaForCausalLM(dims.hf_config()).eval()
     tensors = tensors_from_hf(model, dims, "Q8_0")
     for name in ("blk.0.attn_output.weight", "blk.1.ffn_up.weight"):
@@ -92,7 +92,13 @@ def _assert_matches(outputs, references, atol: float) -> None:
             ids = output.prompt_token_ids + output.token_ids
             logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0], dim=-1)
             first = len(output.prompt_token_ids) - 1
-            assert output.token_ids == logprobs[first:-1].argmax(-1).tolist()
+            # Greedy: each token the reference's argmax, or (where our logprobs are within atol of the
+            # reference's) one whose reference logprob is within 2 atol of it: a tie that close is ours
+            # to break either way (x's int8 quantization flips ties of ~1e-3 on these random models).
+            steps = logprobs[first:-1]
+            best = steps.max(-1).values
+            chosen = steps.gather(-1, torch.tensor(output.token_ids)[:, None])[:, 0]
+            assert (chosen >= best - 2 * atol).all() and (atol > ATOL or output.token_ids == steps.argmax(-1).tolist())
             expected = [logprobs[first + i, t].item() for i, t in enumerate(output.token_ids)]
             assert [t.logprob for t in output.tokens] == pytest.approx(expected, abs=atol)
             expected_prompt = [logprobs[i, t].item() for i, t in enumerate(output.prompt_token_ids[1:])]

@@ -214,13 +214,16 @@ def test_two_threads_equal_one_bit_for_bit(path: str) -> None:
     assert torch.equal(serial, parallel)
 
 
-def _multiplies_int8(rows: int) -> bool:
-    """Whether QuantizedLinear takes an int8 path (dot products or AMX-INT8 tiles) at `rows` here."""
-    amx = cpu_ops.ops().has_quantized_amx() and tuning.QUANTIZED_AMX_MIN_ROWS <= rows <= tuning.QUANTIZED_AMX_MAX_ROWS
-    return rows <= tuning.QUANTIZED_INT8_MAX_ROWS or amx
+def _multiplies_int8(rows: int, type_names: list[str]) -> bool:
+    """Whether QuantizedLinear takes an int8 path (dot products or AMX-INT8 tiles) at `rows` here for
+    every one of the types."""
+    has_amx = cpu_ops.ops().has_quantized_amx()
+    return all(rows <= tuning.QUANTIZED_INT8_MAX_ROWS
+               or (has_amx and tuning.quantized_amx_rows(name)[0] <= rows <= tuning.quantized_amx_rows(name)[1])
+               for name in type_names)
 
 
-@pytest.mark.parametrize("rows", [2, tuning.QUANTIZED_INT8_MAX_ROWS + 7, tuning.QUANTIZED_AMX_MAX_ROWS + 7])
+@pytest.mark.parametrize("rows", [2, tuning.QUANTIZED_INT8_MAX_ROWS + 7, 40, tuning.QUANTIZED_AMX_ROWS_Q8_0[1] + 7])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_linear_over_mixed_parts_with_bias(rows: int, dtype: torch.dtype) -> None:
     parts = [random_blocks("Q4_K", 3, 512, seed=1), random_blocks("Q6_K", 5, 512, seed=2),
@@ -232,7 +235,7 @@ def test_quantized_linear_over_mixed_parts_with_bias(rows: int, dtype: torch.dty
     product = reference.quantized_linear(x.float(), weight)
     twin = product + bias.float()
     rounding = (product.abs() + twin.abs()) * torch.finfo(dtype).eps  # the product's and the sum's
-    if _multiplies_int8(rows):
+    if _multiplies_int8(rows, ["Q4_K", "Q6_K", "Q8_0"]):
         assert ((ours - twin).abs() <= quantization_bound(x, weight) + rounding).all()
     elif dtype == torch.float32:  # widened: the float32 matmul of the same weights
         torch.testing.assert_close(ours, twin, rtol=1e-5, atol=1e-4)

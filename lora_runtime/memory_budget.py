@@ -10,15 +10,13 @@ than `MIN_KV_CACHE_TOKENS`, the engine is refused with the numbers. Torch-free: 
 """
 from __future__ import annotations
 
-import json
 import logging
-import math
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lora_runtime.errors import EngineError
+from lora_runtime.safetensors_header import read_safetensors_header
 
 if TYPE_CHECKING:
     from lora_runtime.config import EngineConfig
@@ -143,11 +141,9 @@ def checkpoint_weights_bytes(model_path: Path, dtype: str, quantization: str | N
 
 
 def safetensors_numels(file: Path) -> dict[str, int]:
-    """Each tensor's element count, from the file's header (a little-endian u64 length, then JSON)."""
-    with file.open("rb") as handle:
-        (header_len,) = struct.unpack("<Q", handle.read(8))
-        header = json.loads(handle.read(header_len))
-    return {name: math.prod(info["shape"]) for name, info in header.items() if name != "__metadata__"}
+    """Each tensor's element count, from the file's checked header alone: its data may be absent or
+    cut short (the refusal before loading is made from headers only), none of it is read here."""
+    return {name: entry.numel for name, entry in read_safetensors_header(file, data_in_file=False).items()}
 
 
 def gguf_weights_bytes(path: Path, dtype: str) -> int:

@@ -3,10 +3,10 @@
 projection kept in its block type (kernels/quantized.py), copied out of the memory-mapped file a
 tensor at a time, so the resident weights are about the file's size.
 
-Dense tensors (F32, F16, BF16: llama.cpp keeps norms in F32) and the token embedding, which is looked
-up by row, are cast or dequantized to the model's dtype. llama.cpp's converter permutes the rows of a
-Llama's q and k weights into its rotary layout; a permutation of whole rows is one of whole block
-rows, undone here without dequantizing.
+Dense tensors (F32, F16, BF16: llama.cpp keeps norms in F32) are cast to the model's dtype. The token
+embedding stays in its blocks too (tied, the head's one copy is it): a lookup dequantizes the rows it
+reads. llama.cpp's converter permutes the rows of a Llama's q and k weights into its rotary layout;
+a permutation of whole rows is one of whole block rows, undone here without dequantizing.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import torch
 
 import kernels
 from kernels import reference
+from kernels.linear import LinearWeight
 from kernels.quantized import BLOCK_TYPES, QuantizedTensor, QuantizedWeight
 from lora_runtime.dtypes import DTYPES
 from lora_runtime.errors import ValidationError
@@ -49,17 +50,29 @@ def load_gguf(path: Path, dtype: str, device: str, backend: kernels.Backend) -> 
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     shape = model_shape_from_config(config)
     features = model_features_from_config(config, shape)
+    embed_tokens, lm_head = _embedding_and_head(file, shape, backend)
     weights = ModelWeights(
-        embed_tokens=file.dense("token_embd.weight", (shape.vocab_size, shape.hidden_size)),
+        embed_tokens=embed_tokens,
         layers=[_layer_weights(file, shape, idx, backend) for idx in range(shape.num_layers)],
         final_norm=file.dense("output_norm.weight", (shape.hidden_size,)),
-        lm_head=backend.linear(file.projection(["output.weight" if file.has("output.weight") else "token_embd.weight"],
-                                               shape.vocab_size, shape.hidden_size)),
+        lm_head=lm_head,
     )
     file.warn_widened()
     rotary = rotary_tables(config, features.layer_rope, shape.head_dim, shape.max_model_len, file.dtype, file.device)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     return LlamaModel(shape, weights, rotary, backend, features), tokenizer
+
+
+def _embedding_and_head(file: GGUFTensors, shape: ModelShape,
+                        backend: kernels.Backend) -> tuple[torch.Tensor | LinearWeight | None, LinearWeight]:
+    """The token embedding and the head, each kept as stored: the lookup dequantizes only the rows it
+    reads (`LlamaModel._embed`). Tied (no output.weight), the head's one copy serves both (None)."""
+    table_shape = (shape.vocab_size, shape.hidden_size)
+    if not file.has("output.weight"):
+        return None, backend.linear(file.projection(["token_embd.weight"], *table_shape))
+    table = file.projection(["token_embd.weight"], *table_shape)
+    embed_tokens = table if isinstance(table, torch.Tensor) else backend.linear(table)
+    return embed_tokens, backend.linear(file.projection(["output.weight"], *table_shape))
 
 
 def _layer_weights(file: GGUFTensors, shape: ModelShape, layer_idx: int, backend: kernels.Backend) -> LayerWeights:

@@ -5,8 +5,9 @@ tensor at a time, so the resident weights are about the file's size.
 
 Dense tensors (F32, F16, BF16: llama.cpp keeps norms in F32) are cast to the model's dtype. The token
 embedding stays in its blocks too (tied, the head's one copy is it): a lookup dequantizes the rows it
-reads. llama.cpp's converter permutes the rows of a Llama's q and k weights into its rotary layout;
-a permutation of whole rows is one of whole block rows, undone here without dequantizing.
+reads. Each family's tensor names, and the changes llama.cpp's converter made to them (a Llama's q
+and k rows permuted into its rotary layout: whole rows, so whole block rows, undone here without
+dequantizing), are in `gguf_architectures.py`.
 """
 from __future__ import annotations
 

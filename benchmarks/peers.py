@@ -19,7 +19,9 @@ line of stdout is one JSON object.
 Same file (`benchmarks.same_gguf`): each `--llama-dtypes` type is one GGUF file (f32/f16/bf16 from the
 converter, any other type, e.g. q8_0 or q4_k_m, by the vendored `llama-quantize` from the bf16 file),
 served by llama.cpp and by our engine as it is, W and base at `--num-requests` requests and base_1, the
-first request alone; ratios ours over llama.cpp per file and ours per type over ours at bf16.
+first request alone; ratios ours over llama.cpp per file and ours per type over ours at bf16, logged
+as a Markdown table. A llama.cpp server that dies (an exit status, a signal, no health in time, a burst
+cut off) is recorded with its reason and last log lines in the report and the table, and the runs go on.
 `--random-llama-1b` runs a random-weight model of Llama-3.2-1B's shape instead of the embedded model
 (`--layers N` cuts it to N layers, for a quick check).
 """

@@ -132,12 +132,12 @@ def checkpoint_weights_bytes(model_path: Path, dtype: str, quantization: str | N
     if model_path.suffix.lower() == ".gguf":
         return gguf_weights_bytes(model_path, dtype)
     itemsize = ITEMSIZES[dtype]
-    numels = {name: numel for file in sorted(model_path.glob("*.safetensors"))
-              for name, numel in safetensors_numels(file).items()}
+    numels = [(name, numel) for file in sorted(model_path.glob("*.safetensors"))
+              for name, numel in safetensors_numels(file).items()]
     # Quantized at load (loader.py): the projections and the head; a tied embedding is the head.
-    tied = not any(name.endswith("lm_head.weight") for name in numels)
+    tied = not any(name.endswith("lm_head.weight") for name, _ in numels)
     total = 0.0
-    for name, numel in numels.items():
+    for name, numel in numels:
         head = name.endswith("lm_head.weight") or (tied and name.endswith("embed_tokens.weight"))
         quantized = quantization == "q8_0" and (name.endswith("_proj.weight") or head)
         total += numel * (Q8_0_BYTES_PER_WEIGHT if quantized else itemsize)

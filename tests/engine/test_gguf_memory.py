@@ -3,7 +3,8 @@ token embedding stays in its blocks (it was once widened to a dense table, 525 M
 Llama-3.2-1B's vocabulary beside the head's ~215 MB of Q6_K); tied, the head's one copy is the
 embedding, and the rows a lookup reads are `gguf.quants.dequantize` of those rows, rounded once to the
 model's dtype. In float32 (the file's norms are F32) the bytes held equal the file's tensor bytes, and
-the memory budget's estimate of them (memory_budget.py)."""
+the memory budget's estimate of them (memory_budget.py); greedy tokens and logprobs against
+transformers' float32 run of the file as tests/engine/test_gguf_model.py checks them."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,10 +15,10 @@ import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from lora_runtime import Engine, EngineConfig, SamplingParams
+from lora_runtime import Engine, EngineConfig
 from lora_runtime.memory_budget import gguf_weights_bytes
 from tests.engine.gguf_factory import TinyDims, tensors_from_hf, write_gguf
-from tests.engine.test_gguf_model import BACKENDS, PROMPTS
+from tests.engine.test_gguf_model import BACKENDS, PROMPTS, _assert_matches, _atol, _generate, _hf_from_gguf
 
 IDS = torch.tensor([0, 49151, 17, 1000, 17])
 
@@ -63,5 +64,4 @@ def test_a_tied_gguf_model_holds_the_files_tensors_and_no_dense_embedding(tied_f
     for dtype in (torch.float32, torch.bfloat16):
         rows = weights.lm_head.rows(IDS, dtype)
         assert torch.equal(rows, table[IDS].to(dtype)), "gguf's rows, rounded once"
-    params = SamplingParams(max_new_tokens=3, ignore_eos_token=True)
-    assert all(len(output.token_ids) == 3 for output in engine.generate(PROMPTS[:2], params))
+    _assert_matches(_generate(engine), [_hf_from_gguf(tied_file)] * len(PROMPTS), _atol(backend))

@@ -32,7 +32,8 @@ def held_storages(obj: object) -> dict[int, int]:
     if isinstance(obj, (list, tuple)):
         return {ptr: size for item in obj for ptr, size in held_storages(item).items()}
     names = {name for cls in type(obj).__mro__ for name in getattr(cls, "__slots__", ())}
-    return {ptr: size for name in names if hasattr(obj, name) for ptr, size in held_storages(getattr(obj, name)).items()}
+    parts = [getattr(obj, name) for name in names if hasattr(obj, name)]
+    return {ptr: size for part in parts for ptr, size in held_storages(part).items()}
 
 
 def _file_tensor_bytes(path: Path) -> int:

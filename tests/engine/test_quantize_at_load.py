@@ -67,7 +67,8 @@ def test_q8_0_at_load_matches_transformers_on_the_round_trip(tmp_path, backend, 
 @pytest.mark.parametrize("backend_name", ["torch", "cpu"])
 def test_a_tied_head_is_one_q8_0_copy_and_the_model_holds_the_budgets_bytes(tmp_path, backend_name: str) -> None:
     hf_model = save_tiny_model("llama-tied", tmp_path)
-    weights = load_model(tmp_path, "float32", "cpu", kernels.backend_for("cpu", backend_name), quantization="q8_0").weights
+    backend = kernels.backend_for("cpu", backend_name)
+    weights = load_model(tmp_path, "float32", "cpu", backend, quantization="q8_0").weights
     assert weights.embed_tokens is None, "tied: the head's blocks are the embedding"
     assert sum(held_storages(weights).values()) == checkpoint_weights_bytes(tmp_path, "float32", "q8_0")
     ids = torch.tensor([0, 96, 5, 5, 40])

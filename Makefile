@@ -28,12 +28,14 @@ $(BUILT): $(STAMP) pyproject.toml setup.py kernels/cpu_build.py kernels/tuning.p
 
 install: $(BUILT)
 
+# The embedded model's full-precision Hugging Face directory (~/.cache/lora_serve), converted once from
+# its GGUF: the tests' transformers and PEFT oracles load it. Serving needs none: it reads the GGUF.
 model: install
 	$(PY) -m lora_runtime.embedded
 
 # `make serve PORT=9000 DATA=/srv/lora` picks the port and data directory; ARGS passes any other
 # option of `python -m server --help`. Unset, the server's own defaults (8080, .data).
-serve: model
+serve: install
 	$(PY) -m server $(if $(PORT),--port $(PORT)) $(if $(DATA),--data-dir "$(DATA)") $(ARGS)
 
 test: model

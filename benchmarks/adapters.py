@@ -180,7 +180,7 @@ def main(argv=None) -> dict:
     rss_before_registry = rss_mib()
     registry = make_registry(model_dir, max(args.counts), args.num_templates)
     config = EngineConfig(
-        dtype=args.dtype, scheduler=SchedulerConfig(max_num_seqs=args.num_requests), kv_cache=NO_PREFIX_CACHE,
+        model=str(model_dir), dtype=args.dtype, scheduler=SchedulerConfig(max_num_seqs=args.num_requests), kv_cache=NO_PREFIX_CACHE,
         num_threads=args.threads,
         adapters=AdapterConfig(device_pool_bytes=int(args.device_pool_gib * GIB), host_cache_bytes=int(args.host_cache_gib * GIB)),
     )

@@ -155,8 +155,10 @@ def main(argv=None) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
+    # The embedded model's Hugging Face directory, not the default (its GGUF, served quantized): ours and
+    # the baselines load the same weights in the same dtype.
     model_dir = args.model_dir or ensure_embedded_model()
-    config = EngineConfig(model=str(args.model_dir) if args.model_dir else None, dtype=args.dtype, device=args.device,
+    config = EngineConfig(model=str(model_dir), dtype=args.dtype, device=args.device,
                           scheduler=SchedulerConfig(max_num_seqs=args.num_requests), kv_cache=NO_PREFIX_CACHE,
                           num_threads=args.threads)
     engine = Engine.from_config(config)

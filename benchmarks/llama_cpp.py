@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -28,14 +29,26 @@ logger = logging.getLogger("benchmarks.llama_cpp")
 
 # The sdist whose vendored llama.cpp we build: pinned, so every run measures the same server.
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+# GCC 12's `_tile_loadconfig` (amxtileintrin.h) declares that `ldtilecfg` reads 8 bytes of its 64-byte
+# operand, so dead-store elimination drops the stores of the tile rows and widths before it. ggml's AMX
+# kernels (Q8_0, Q4_K and other quantized weights, on CPUs with AMX-INT8 under GGML_NATIVE) then load a
+# configuration of empty tiles, and their first tile instruction dies with SIGILL. Turning the pass off
+# keeps those stores (its cost to the rest of ggml is not measured: its hot loops are intrinsics).
+KEEP_STORES_FLAGS = "-fno-dse -fno-tree-dse"
+# Binaries built before KEEP_STORES_FLAGS crash on AMX CPUs: a new build directory, not reused.
+BUILD_DIR = "build-keep-stores"
 CMAKE_OPTIONS = (
     "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
     "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_UI=OFF",
     "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=ON",
+    f"-DCMAKE_C_FLAGS={KEEP_STORES_FLAGS}", f"-DCMAKE_CXX_FLAGS={KEEP_STORES_FLAGS}",
 )
 # llama.cpp rounds each slot's context up to a multiple of this (llama_context's GGML_PAD).
 CONTEXT_PAD_TOKENS = 256
 HEALTH_TIMEOUT_S = 180.0
+# Lines of a dead server's log kept in the report: its last words name the cause (a failed load, an
+# unsupported type) without the thousands of lines loading printed before them.
+LOG_TAIL_LINES = 12
 
 
 def llama_cpp_root() -> Path:
@@ -43,7 +56,7 @@ def llama_cpp_root() -> Path:
 
 
 def tool_binary(root: Path, target: str) -> Path:
-    return root / "build" / "bin" / target
+    return root / BUILD_DIR / "bin" / target
 
 
 def server_binary(root: Path) -> Path:
@@ -79,10 +92,11 @@ def ensure_tool(root: Path, target: str) -> Path:
     if is_built(binary):
         return binary
     source = ensure_source(root)
-    logger.info("building %s in %s (7-17 minutes on one core; log: build.log)", target, root)
+    build, log = root / BUILD_DIR, root / f"{BUILD_DIR}.log"
+    logger.info("building %s in %s (7-17 minutes on one core; log: %s)", target, build, log)
     cores = str(os.cpu_count() or 1)
-    _run_logged(["cmake", "-S", str(source), "-B", str(root / "build"), *CMAKE_OPTIONS], root / "build.log")
-    _run_logged(["cmake", "--build", str(root / "build"), "--target", target, "-j", cores], root / "build.log")
+    _run_logged(["cmake", "-S", str(source), "-B", str(build), *CMAKE_OPTIONS], log)
+    _run_logged(["cmake", "--build", str(build), "--target", target, "-j", cores], log)
     if not is_built(binary):
         raise RuntimeError(f"built {target} does not run --help: {binary}")
     return binary
@@ -260,6 +274,25 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+class PeerDied(RuntimeError):
+    """A peer's server that ended (an exit status, a signal), never became healthy or cut a burst off;
+    `reason` says which, `log_tail` holds the last lines it printed."""
+
+    def __init__(self, reason: str, log_tail: str) -> None:
+        super().__init__(f"{reason}:\n{log_tail}")
+        self.reason, self.log_tail = reason, log_tail
+
+
+def exit_reason(returncode: int) -> str:
+    """A `subprocess` return code in words: a negative one is the signal that ended the process."""
+    if returncode >= 0:
+        return f"exited with status {returncode}"
+    try:
+        return f"killed by {signal.Signals(-returncode).name}"
+    except ValueError:
+        return f"killed by signal {-returncode}"
+
+
 class LlamaServer:
     """One `llama-server` process on a loopback port, its output kept in a file for error messages;
     terminated on exit from the `with` block, whatever happened inside it."""
@@ -293,18 +326,29 @@ class LlamaServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"llama-server exited ({self.process.returncode}):\n{self.output_tail()}")
+                raise self.death(exit_reason(self.process.returncode))
             try:
                 if httpx.get(self.url + "/health", timeout=5).status_code == 200:
                     return
             except httpx.TransportError:
                 pass  # not listening yet
             time.sleep(0.2)
-        raise RuntimeError(f"llama-server not healthy after {timeout_s:.0f} s:\n{self.output_tail()}")
+        raise self.death(f"not healthy after {timeout_s:.0f} s")
 
-    def output_tail(self) -> str:
+    def death(self, reason: str) -> PeerDied:
+        return PeerDied(f"llama-server {reason}", self.log_tail())
+
+    def death_during_burst(self, error: httpx.TransportError) -> PeerDied:
+        """What cut a burst off: the process's end where it ended (a dying server drops its connections
+        an instant before it is gone, so its end is awaited a little), else the transport error."""
+        try:
+            return self.death(exit_reason(self.process.wait(timeout=5)))
+        except subprocess.TimeoutExpired:
+            return self.death(f"cut a burst off ({type(error).__name__}: {error})")
+
+    def log_tail(self, num_lines: int = LOG_TAIL_LINES) -> str:
         self.log.seek(0)
-        return _tail(self.log.read())
+        return "\n".join(self.log.read().decode(errors="replace").splitlines()[-num_lines:])
 
     def cpu_seconds(self) -> float:
         return process_cpu_seconds(self.process.pid)
@@ -312,12 +356,16 @@ class LlamaServer:
 
 def run_burst(server: LlamaServer, bodies: list[dict]) -> dict:
     """Two short warm-up requests, then every body at once; the server's CPU time (all its threads)
-    and the wall time around the burst, in `benchmarks.timing.Timer.report`'s shape."""
+    and the wall time around the burst, in `benchmarks.timing.Timer.report`'s shape. Raises PeerDied
+    where the server ended or dropped the requests."""
     warm_up = [body | {"n_predict": 2} for body in bodies[:2]]
-    asyncio.run(_post_all(server.url, warm_up))
-    cpu, wall = server.cpu_seconds(), time.perf_counter()
-    replies = asyncio.run(_post_all(server.url, bodies))
-    wall, cpu = time.perf_counter() - wall, server.cpu_seconds() - cpu
+    try:
+        asyncio.run(_post_all(server.url, warm_up))
+        cpu, wall = server.cpu_seconds(), time.perf_counter()
+        replies = asyncio.run(_post_all(server.url, bodies))
+        wall, cpu = time.perf_counter() - wall, server.cpu_seconds() - cpu
+    except httpx.TransportError as error:
+        raise server.death_during_burst(error) from error
     counts = [reply["tokens_predicted"] for reply in replies]
     assert counts == [body["n_predict"] for body in bodies], counts
     tokens = sum(counts)

@@ -19,7 +19,9 @@ line of stdout is one JSON object.
 Same file (`benchmarks.same_gguf`): each `--llama-dtypes` type is one GGUF file (f32/f16/bf16 from the
 converter, any other type, e.g. q8_0 or q4_k_m, by the vendored `llama-quantize` from the bf16 file),
 served by llama.cpp and by our engine as it is, W and base at `--num-requests` requests and base_1, the
-first request alone; ratios ours over llama.cpp per file and ours per type over ours at bf16.
+first request alone; ratios ours over llama.cpp per file and ours per type over ours at bf16, logged
+as a Markdown table. A llama.cpp server that dies (an exit status, a signal, no health in time, a burst
+cut off) is recorded with its reason and last log lines in the report and the table, and the runs go on.
 `--random-llama-1b` runs a random-weight model of Llama-3.2-1B's shape instead of the embedded model
 (`--layers N` cuts it to N layers, for a quick check).
 """
@@ -110,9 +112,8 @@ def measure_ours(engine: Engine, workload: Workload, repeats: int) -> dict:
 
 
 def measure_llama_cpp(model_dir: Path, workload: Workload, outtypes: list[str], threads: int) -> dict:
-    """Per GGUF type: W on a server holding every adapter (in bf16 beside a quantized model), base
-    and base_1 (the first request alone) on one started without adapters (so no request can pay for
-    an adapter)."""
+    """Per GGUF type, `measure_llama_cpp_file` on llama.cpp's file of that type, with the adapters in
+    that type (in bf16 beside a quantized model)."""
     root = llama_cpp.llama_cpp_root()
     binary = llama_cpp.ensure_server(root)
     report = {}
@@ -121,13 +122,26 @@ def measure_llama_cpp(model_dir: Path, workload: Workload, outtypes: list[str], 
         model = llama_cpp.model_file(root, model_dir, outtype)
         lora_type = outtype if outtype in llama_cpp.CONVERTER_TYPES else "bf16"
         loras = [llama_cpp.convert_adapter(root, path, model_dir, lora_type) for path in workload.adapter_paths]
-        first = Workload(workload.prompts[:1], workload.adapter_paths, workload.adapter_of[:1], workload.new_tokens)
         report[outtype] = {"convert_s": time.perf_counter() - start,
-                           "W": _serve(binary, model, loras, workload, workload.adapter_of, threads),
-                           "base": _serve(binary, model, [], workload, [None] * len(workload.prompts), threads),
-                           "base_1": _serve(binary, model, [], first, [None], threads)}
-        for name in same_gguf.WORKLOADS:
-            _log(f"llama.cpp ({outtype}), {name}", report[outtype][name])
+                           **measure_llama_cpp_file(binary, model, loras, workload, threads)}
+    return report
+
+
+def measure_llama_cpp_file(binary: Path, model: Path, loras: list[Path], workload: Workload, threads: int) -> dict:
+    """W on a server holding every adapter, base and base_1 (the first request alone) on one started
+    without adapters (so no request can pay for an adapter). A server that dies is recorded under its
+    workload with its reason and last log lines, and the other workloads still run."""
+    first = Workload(workload.prompts[:1], workload.adapter_paths, workload.adapter_of[:1], workload.new_tokens)
+    runs = {"W": (loras, workload, workload.adapter_of), "base": ([], workload, [None] * len(workload.prompts)),
+            "base_1": ([], first, [None])}
+    report = {}
+    for name, (served_loras, served, adapter_of) in runs.items():
+        try:
+            report[name] = _serve(binary, model, served_loras, served, adapter_of, threads)
+            _log(f"llama.cpp ({model.name}), {name}", report[name])
+        except llama_cpp.PeerDied as death:
+            logger.warning("llama.cpp (%s), %s: %s; its last lines:\n%s", model.name, name, death.reason, death.log_tail)
+            report[name] = {"died": death.reason, "log_tail": death.log_tail}
     return report
 
 
@@ -152,12 +166,11 @@ def measure_peft(model_dir: Path, workload: Workload, dtypes: list[str], pad_id:
 
 
 def best_dtype(runs: dict[str, dict], workload: str | None = None) -> str | None:
-    """The dtype of the highest tokens per CPU-second (of `workload` where runs are split by workload)."""
-    def rate(name: str) -> float:
-        figures = runs[name][workload] if workload else runs[name]
-        return figures["tokens_per_cpu_s"]
-
-    return max(runs, key=rate) if runs else None
+    """The dtype of the highest tokens per CPU-second (of `workload` where runs are split by workload),
+    among the runs measured (a server that died has no rate)."""
+    rates = {name: (figures[workload] if workload else figures).get("tokens_per_cpu_s") for name, figures in runs.items()}
+    measured = {name: rate for name, rate in rates.items() if rate is not None}
+    return max(measured, key=measured.__getitem__) if measured else None
 
 
 def compute_ratios(ours_w: float, ours_base: float, llama_w: float | None, llama_base: float | None,
@@ -191,9 +204,8 @@ def _summarise(report: dict) -> None:
     report["best_dtypes"] = best
     report["ratios"] = ratios = compute_ratios(
         rate(report["ours"]["W"]), rate(report["ours"]["base"]),
-        rate(llama[best["llama_cpp_w"]]["W"]) if llama else None,
-        rate(llama[best["llama_cpp_base"]]["base"]) if llama else None,
-        rate(peft.get(best["peft_w"])) if peft else None)
+        rate(llama.get(best["llama_cpp_w"], {}).get("W")), rate(llama.get(best["llama_cpp_base"], {}).get("base")),
+        rate(peft.get(best["peft_w"])))
     report["goals"] = goals = check_goals(ratios)
     for name, goal in goals.items():
         if goal["value"] is None:
@@ -213,7 +225,7 @@ def main(argv: list[str] | None = None) -> dict:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the figures
     torch.set_num_threads(args.threads)
     model_dir = random_llama(args.layers) if args.random_llama_1b else ensure_embedded_model()
-    engine = Engine.from_config(EngineConfig(model=str(model_dir) if args.random_llama_1b else None,
+    engine = Engine.from_config(EngineConfig(model=str(model_dir),
                                              scheduler=SchedulerConfig(max_num_seqs=args.num_requests),
                                              kv_cache=NO_PREFIX_CACHE, num_threads=args.threads))
     adapters_dir = default_cache_dir() / "bench-adapters" / (model_dir.name if args.random_llama_1b else "")
@@ -237,6 +249,8 @@ def main(argv: list[str] | None = None) -> dict:
     _summarise(report)
     if "file_ratios" in report:
         same_gguf.log_file_summary(report["file_ratios"], report["file_goals"])
+        logger.info("same file, one thread:\n%s", same_gguf.file_table(
+            report["ours_gguf"], report["llama_cpp"], report["file_ratios"], args.num_requests, args.adapters))
     print(json.dumps(report))
     return report
 

@@ -50,6 +50,7 @@ from benchmarks.timing import Timer, peak_rss_mib
 from lora_runtime import Engine, EngineConfig, SamplingParams
 from lora_runtime.config import SchedulerConfig
 from lora_runtime.core import RequestOutput
+from lora_runtime.embedded import ensure_embedded_model
 
 logger = logging.getLogger("benchmarks.prefix")
 DEMO_ADAPTERS = Path(__file__).parents[1] / "demo_adapters"
@@ -214,7 +215,9 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(args.threads)
-    loaded = Engine.from_config(EngineConfig(dtype=args.dtype, scheduler=SchedulerConfig(max_num_seqs=args.concurrency),
+    # The embedded model's Hugging Face directory in `--dtype` (the default model is its GGUF).
+    loaded = Engine.from_config(EngineConfig(model=str(ensure_embedded_model()), dtype=args.dtype,
+                                             scheduler=SchedulerConfig(max_num_seqs=args.concurrency),
                                              num_threads=args.threads))
     requests, sizes = make_workload(loaded.tokenizer, args)
     token_ids_of_runs: list[list[list[int]]] = []

@@ -1,6 +1,7 @@
 """Quantized base models against bf16, one thread, measured in the same run.
 
     python -m benchmarks.quantized [--num-requests 1,32] [--new-tokens 32] [--repeats 3] [--kernels]
+                                   [--random-llama-1b [--layers N]]
 
 The embedded model three ways: its Hugging Face directory in bf16 (the engine's default), its shipped
 GGUF (Q4_1 projections, a Q8_0 embedding) and that file re-quantized to Q8_0 (`requantize_gguf`: the
@@ -14,6 +15,11 @@ weights widened to bf16 inside the tiles, and the AMX-INT8 tiles where present) 
 compiled matmul, on one projection of Llama-3.2-1B's MLP shape (8192 x 2048) at 1-64 rows, weights
 cycled from memory: the measurement behind the row thresholds `tuning.QUANTIZED_INT8_MAX_ROWS`,
 `QUANTIZED_AMX_ROWS_Q8_0` and `QUANTIZED_AMX_ROWS_UNPACKED`.
+
+`--random-llama-1b` (`--layers N` cuts it): the random-weight model of Llama-3.2-1B's shape, whose
+weights outgrow the caches, in bf16 and as Q8_0 and Q4_K_M GGUF files made by llama.cpp's tools, each
+against the floor of reading its weights at one request, at `--num-requests`, and its peak RSS
+against the file plus the configured KV cache and adapter pools (`benchmarks.quantized_floor`).
 """
 from __future__ import annotations
 
@@ -27,7 +33,9 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, dequantize, quantize
 
+from benchmarks import options
 from benchmarks.engine import NO_PREFIX_CACHE, make_prompts, median_of_interleaved, run_ours
+from benchmarks.quantized_floor import run_random_llama
 from kernels import cpu_ops, tuning
 from kernels.linear import linear_packed, pack_linear_weight
 from kernels.quantized import BLOCK_TYPES, QuantizedTensor
@@ -74,7 +82,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kernels", action="store_true", help="the matmul alone, at 1-64 rows")
-    return parser.parse_args(argv)
+    options.add_random_llama(parser)
+    args = options.parse_random_llama(parser, argv)
+    if args.random_llama_1b and args.new_tokens < 2:
+        parser.error("--new-tokens takes 2 or more with --random-llama-1b (decode steps are timed)")
+    return args
 
 
 def models() -> dict[str, EngineConfig]:
@@ -90,7 +102,7 @@ def run_engines(args: argparse.Namespace) -> dict:
     engines = {name: Engine.from_config(config) for name, config in models().items()}
     tokenizer = engines["bf16"].tokenizer
     report = {}
-    for count in (int(c) for c in args.num_requests.split(",")):
+    for count in _counts(args):
         prompts = make_prompts(tokenizer, count)
         runs = {name: (lambda e=engine: run_ours(e, prompts, args.new_tokens)) for name, engine in engines.items()}
         figures = median_of_interleaved(runs, args.repeats)
@@ -102,6 +114,10 @@ def run_engines(args: argparse.Namespace) -> dict:
                         ", ".join(f"{r:.1f}" for r in figure["all_tokens_per_cpu_s"]))
         report[f"{count}_requests"] = figures
     return report
+
+
+def _counts(args: argparse.Namespace) -> list[int]:
+    return [int(count) for count in args.num_requests.split(",")]
 
 
 def _time_per_call(run, copies: int, repeats: int = 12) -> float:
@@ -166,7 +182,12 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(1)
     logger.info("compiled CPU ops: form %s, int8 dot products: %s", cpu_ops.active_form(), cpu_ops.ops().quantized_int8_dot())
-    report = run_kernels() if args.kernels else run_engines(args)
+    if args.kernels:
+        report = run_kernels()
+    elif args.random_llama_1b:
+        report = run_random_llama(args.layers, _counts(args), args.new_tokens, args.repeats)
+    else:
+        report = run_engines(args)
     print(json.dumps(report, default=str))
     return report
 

@@ -53,12 +53,12 @@ def _best_seconds(run, tries: int) -> float:
 READ_STREAMS = (1, 2, 4, 8)
 
 
-def measure_read_rate(tries: int = 5) -> float:
-    """Bytes per second of one core's streaming read of 512 MiB (on huge pages where the system has
-    them), the best of `tries`: of torch's sum, and where the compiled CPU ops are installed, of their
-    read probe (kernels/csrc/peak.cpp: the form's widest loads, 1-8 interleaved streams), which reads
-    faster than the sum (Intel Xeon, AVX-512: 17.0 GB/s against 14.4)."""
-    buffer = empty_on_huge_pages((128 * 1024 * 1024,), torch.float32, "cpu").fill_(1.0)
+def measure_read_rate(tries: int = 5, buffer_bytes: int = 512 * 1024 * 1024) -> float:
+    """Bytes per second of one core's streaming read of `buffer_bytes` (on huge pages where the system
+    has them), the best of `tries`: of torch's sum, and where the compiled CPU ops are installed, of
+    their read probe (kernels/csrc/peak.cpp: the form's widest loads, 1-8 interleaved streams), which
+    reads faster than the sum (Intel Xeon, AVX-512: 17.0 GB/s against 14.4)."""
+    buffer = empty_on_huge_pages((buffer_bytes // 4,), torch.float32, "cpu").fill_(1.0)
     best_seconds = _best_seconds(buffer.sum, tries)
     ops = cpu_ops.ops()
     if ops is not None:

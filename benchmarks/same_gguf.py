@@ -65,7 +65,7 @@ def ours_runs(engine: Engine, workload) -> dict[str, Callable[[], dict]]:
 
 def file_ratios(ours: dict[str, dict], llama: dict[str, dict]) -> dict[str, dict[str, dict[str, float]]]:
     """ratios[type][workload] = {"llama.cpp": ours / llama.cpp, "bf16": ours / ours at bf16}, each
-    where both were measured."""
+    where both were measured (not where our engine refused the file or llama.cpp's server died)."""
     ratios: dict = {}
     for outtype, figures in ours.items():
         if "refused" in figures:
@@ -74,7 +74,7 @@ def file_ratios(ours: dict[str, dict], llama: dict[str, dict]) -> dict[str, dict
             against = {"llama.cpp": llama.get(outtype, {}).get(name), "bf16": ours.get("bf16", {}).get(name)}
             ratios.setdefault(outtype, {})[name] = {
                 peer: figures[name]["tokens_per_cpu_s"] / theirs["tokens_per_cpu_s"]
-                for peer, theirs in against.items() if theirs is not None}
+                for peer, theirs in against.items() if theirs is not None and "tokens_per_cpu_s" in theirs}
     return ratios
 
 
@@ -97,6 +97,35 @@ def log_file_summary(ratios: dict, goals: list[dict]) -> None:
         if goal["value"] is not None:
             logger.info("goal %s %s >= %.1fx %s: %.2fx (%s)", goal["type"], goal["workload"], goal["threshold"],
                         goal["over"], goal["value"], "met" if goal["met"] else "NOT met")
+
+
+def file_table(ours: dict, llama: dict, ratios: dict, num_requests: int, num_adapters: int) -> str:
+    """A Markdown table, a row per type and workload: tokens per CPU-second of ours and of llama.cpp on
+    the file, and the ratios; a run that did not happen says why (refused, or how the server died)."""
+    labels = {"base_1": "1 request", "base": f"{num_requests} requests",
+              "W": f"{num_requests} requests, {num_adapters} adapters"}
+    lines = ["| file | workload | ours tokens/CPU-s | llama.cpp tokens/CPU-s | ours / llama.cpp | ours / ours bf16 |",
+             "|---|---|---|---|---|---|"]
+    for outtype in dict.fromkeys([*ours, *llama]):
+        for name, label in labels.items():
+            by_peer = ratios.get(outtype, {}).get(name, {})
+            lines.append(f"| {outtype} | {label} | {_rate_cell(ours.get(outtype), name)} | "
+                         f"{_rate_cell(llama.get(outtype), name)} | {_ratio_cell(by_peer.get('llama.cpp'))} | "
+                         f"{_ratio_cell(by_peer.get('bf16'))} |")
+    return "\n".join(lines)
+
+
+def _rate_cell(figures: dict | None, name: str) -> str:
+    if figures is None:
+        return "not run"
+    if "refused" in figures:
+        return "refused the file"
+    run = figures[name]
+    return f"died: {run['died']}" if "died" in run else f"{run['tokens_per_cpu_s']:.1f}"
+
+
+def _ratio_cell(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
 
 
 def _log(name: str, figures: dict) -> None:

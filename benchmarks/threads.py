@@ -146,7 +146,7 @@ def adapter_root(model_dir: Path) -> Path:
 
 def measure_ours(args: argparse.Namespace, counts: list[int]) -> dict:
     model_dir = model_of(args)
-    engine = Engine.from_config(EngineConfig(model=str(model_dir) if args.random_llama_1b else None, dtype=args.dtype,
+    engine = Engine.from_config(EngineConfig(model=str(model_dir), dtype=args.dtype,
                                              scheduler=SchedulerConfig(max_num_seqs=args.num_requests),
                                              kv_cache=NO_PREFIX_CACHE, num_threads=counts[-1]))
     prompts = make_prompts(engine.tokenizer, args.num_requests)

@@ -53,6 +53,11 @@ class PlainLinear:
     def __call__(self, x: torch.Tensor, reads: Reads = NO_READS) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Rows `ids` of the weight (a tied embedding's lookup: `LlamaModel._embed`), in `dtype`
+        (default: the weight's)."""
+        return F.embedding(ids.reshape(-1), self.weight).to(dtype or self.weight.dtype)
+
 
 @dataclass(frozen=True, slots=True)
 class PackedLinear:
@@ -74,9 +79,10 @@ class CompiledLinear:
     def __call__(self, x: torch.Tensor, reads: Reads = NO_READS) -> torch.Tensor:
         return linear_packed(x, self.compiled, reads)
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Rows `ids` of the weight, `[len(ids), in_features]`, gathered from the packed layout: a tied
-        embedding's lookup reads the head's one copy (for a 128k vocabulary, 500 MB not held twice)."""
+        embedding's lookup reads the head's one copy (for a 128k vocabulary, 500 MB not held twice).
+        `dtype`: the packed weight's (the model's), the only one it gives."""
         packed, ids = self.compiled.packed, ids.reshape(-1)
         if self.compiled.kind == "amx":  # packed[N/32][K/32][2][16 pairs][16 columns][2]
             n_block, half, column = ids // _AMX_BLOCK, ids % _AMX_BLOCK // 16, ids % 16
@@ -103,6 +109,15 @@ class DequantizingLinear:
         y = torch.cat([x32 @ reference.dequantize(part).T for part in self.weight.parts], dim=1)
         return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
 
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return dequantized_rows(self.weight, ids, dtype)
+
+
+def dequantized_rows(weight: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Rows `ids` of a quantized weight dequantized where its blocks are (`kernels.reference.dequantize`,
+    rounded once to `dtype`; default float32): an embedding's lookup reads only its rows' blocks."""
+    return reference.dequantize(weight.selected_rows(ids)).to(dtype or torch.float32)
+
 
 class QuantizedLinear:
     """A quantized weight multiplied by the compiled CPU ops over its blocks (kernels/csrc/quantized.cpp):
@@ -127,6 +142,16 @@ class QuantizedLinear:
             _multiply_part(x, part, out[:, column : column + part.rows])
             column += part.rows
         return out if self.bias is None else out.add_(self.bias)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Rows `ids` of the weight dequantized by the compiled ops (`kernels.reference.dequantize`'s
+        values bit for bit, rounded once to `dtype`; default float32): an embedding's lookup reads only
+        its rows' blocks."""
+        part = self.weight.selected_rows(ids)
+        dtype = dtype or torch.float32
+        out = torch.empty(part.rows, part.cols, dtype=dtype if dtype == torch.bfloat16 else torch.float32)
+        cpu_ops.ops().dequantize_rows(out, part.data, part.block_type.ggml_type)
+        return out.to(dtype)
 
 
 def _multiply_part(x: torch.Tensor, part: QuantizedTensor, out: torch.Tensor) -> None:

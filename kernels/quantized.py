@@ -103,6 +103,12 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         return sum(part.data.numel() for part in self.parts)
 
+    def selected_rows(self, ids: torch.Tensor) -> QuantizedTensor:
+        """The rows `ids` (int64, on the blocks' device), in that order, of a weight of one part (a
+        token embedding, or a head tied to it: one tensor of one type)."""
+        (part,) = self.parts
+        return part.select_rows(ids.reshape(-1))
+
 
 def quantize_q8_0(weight: torch.Tensor) -> QuantizedTensor:
     """`weight` [rows, cols] (cols a multiple of 32) as Q8_0 blocks, as gguf's `gguf.quants.quantize`

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels import tuning
-from kernels.linear import NO_READS, Reads
+from kernels.linear import NO_READS, Reads, dequantized_rows
 from kernels.quantized import QuantizedTensor, QuantizedWeight
 from kernels.triton_utils import upcast_dot_inputs
 
@@ -154,3 +154,6 @@ class TritonQuantizedLinear:
             quantized_matmul(x, part, out[:, column : column + part.rows])
             column += part.rows
         return out if self.bias is None else out.add_(self.bias)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return dequantized_rows(self.weight, ids, dtype)

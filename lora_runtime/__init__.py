@@ -9,8 +9,9 @@ Names are imported on first use (PEP 562), so that importing the torch-free cont
 """
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from lora_runtime.lazy_exports import lazy_getattr
 
 if TYPE_CHECKING:
     from lora_runtime.api import (CacheScope, EngineError, EngineStats, MergedAdapters, RequestOutput,
@@ -39,10 +40,4 @@ _HOMES = {
 
 __all__ = sorted(_HOMES)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _HOMES:
-        raise AttributeError(f"module 'lora_runtime' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_HOMES[name]), name)
-    globals()[name] = value  # later reads skip this function
-    return value
+__getattr__ = lazy_getattr(globals(), _HOMES)

@@ -7,16 +7,14 @@ beside the packed weights. Here each tensor is read straight into memory the mod
 page cache its reads filled is released after each tensor (`posix_fadvise(DONTNEED)`): a 16 GB
 checkpoint loads in the weights' memory plus one tensor in flight.
 
-The format (github.com/huggingface/safetensors, "Format"): an 8-byte little-endian header length,
-a JSON header naming each tensor's dtype, shape and `data_offsets` (from the end of the header),
-then the data. Sharded checkpoints name their files in `model.safetensors.index.json`."""
+Each file's header is read and checked by safetensors_header.py. Sharded checkpoints name their
+files in `model.safetensors.index.json`."""
 from __future__ import annotations
 
 import json
 import logging
 import mmap
 import os
-import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,12 +23,12 @@ import torch
 from tqdm import tqdm
 
 from lora_runtime.errors import ValidationError
+from lora_runtime.safetensors_header import read_safetensors_header
 
 LOG = logging.getLogger(__name__)
 INDEX_FILE = "model.safetensors.index.json"
 _OWN_MAPPING_MIN_BYTES = 2**20
-# Largest header we accept (the format's own readers refuse past 100 MB).
-_MAX_HEADER_BYTES = 100 * 2**20
+# The header's dtype names (safetensors_header.DTYPE_SIZES) -> torch's.
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool}
@@ -125,35 +123,8 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 def read_header(path: Path) -> dict[str, TensorEntry]:
     """Each tensor of one safetensors file, checked against the file's size."""
-    size = path.stat().st_size
-    with path.open("rb") as file:
-        prefix = file.read(8)
-        header_bytes = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
-        if not 0 < header_bytes <= min(_MAX_HEADER_BYTES, size - 8):
-            raise ValidationError("model", f"{path.name} is not a safetensors file (header length)")
-        try:
-            header = json.loads(file.read(header_bytes))
-        except ValueError:
-            raise ValidationError("model", f"{path.name} is not a safetensors file (header is not JSON)") from None
-    data_start = 8 + header_bytes
-    return {name: _entry(path, name, fields, data_start, size)
-            for name, fields in header.items() if name != "__metadata__"}
-
-
-def _entry(path: Path, name: str, fields: dict, data_start: int, size: int) -> TensorEntry:
-    try:
-        dtype, shape, (begin, end) = _DTYPES.get(fields["dtype"]), tuple(fields["shape"]), fields["data_offsets"]
-    except (KeyError, TypeError, ValueError):
-        raise ValidationError("model", f"weight {name} in {path.name} has a malformed header entry") from None
-    if dtype is None:
-        raise ValidationError("model", f"weight {name} in {path.name} has dtype {fields['dtype']!r}, "
-                                       f"not one of {sorted(_DTYPES)}")
-    num_bytes = end - begin
-    expected = torch.Size(shape).numel() * dtype.itemsize
-    if begin < 0 or num_bytes != expected or data_start + end > size:
-        raise ValidationError("model", f"weight {name} in {path.name}: data_offsets {[begin, end]} do not hold "
-                                       f"{expected} bytes of {shape} within the file")
-    return TensorEntry(path, dtype, shape, data_start + begin, num_bytes)
+    return {name: TensorEntry(path, _DTYPES[entry.dtype], entry.shape, entry.offset, entry.num_bytes)
+            for name, entry in read_safetensors_header(path).items()}
 
 
 def _read_fully(fd: int, entry: TensorEntry, out: torch.Tensor) -> None:

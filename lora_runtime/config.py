@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -116,7 +115,9 @@ class LimitsConfig:
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Everything the engine needs. `model=None` is the embedded SmolLM2-135M-Instruct.
+    """Everything the engine needs. `model=None` is the embedded SmolLM2-135M-Instruct, its GGUF file
+    (Q4_1 projections, a Q8_0 embedding) served as it is; `model` names a Hugging Face directory or a
+    .gguf file.
 
     `dtype="auto"`: bf16 where the device multiplies it at least as fast as float32 (CUDA; CPUs with
     AVX-512), float32 elsewhere (`lora_runtime.dtypes`); tests that compare with HF logits use float32.
@@ -132,7 +133,6 @@ class EngineConfig:
     dtype: Dtype = "auto"
     device: str = "cpu"
     kernel_backend: str | None = None
-    cache_dir: Path | None = None
     num_threads: int | None = None
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

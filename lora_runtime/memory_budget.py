@@ -10,15 +10,13 @@ than `MIN_KV_CACHE_TOKENS`, the engine is refused with the numbers. Torch-free: 
 """
 from __future__ import annotations
 
-import json
 import logging
-import math
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lora_runtime.errors import EngineError
+from lora_runtime.safetensors_header import read_safetensors_header
 
 if TYPE_CHECKING:
     from lora_runtime.config import EngineConfig
@@ -134,33 +132,37 @@ def checkpoint_weights_bytes(model_path: Path, dtype: str, quantization: str | N
     if model_path.suffix.lower() == ".gguf":
         return gguf_weights_bytes(model_path, dtype)
     itemsize = ITEMSIZES[dtype]
+    numels = [(name, numel) for file in sorted(model_path.glob("*.safetensors"))
+              for name, numel in safetensors_numels(file).items()]
+    # Quantized at load (loader.py): the projections and the head; a tied embedding is the head.
+    tied = not any(name.endswith("lm_head.weight") for name, _ in numels)
     total = 0.0
-    for file in sorted(model_path.glob("*.safetensors")):
-        for name, numel in safetensors_numels(file).items():
-            quantized = quantization == "q8_0" and name.endswith("_proj.weight")
-            total += numel * (Q8_0_BYTES_PER_WEIGHT if quantized else itemsize)
+    for name, numel in numels:
+        head = name.endswith("lm_head.weight") or (tied and name.endswith("embed_tokens.weight"))
+        quantized = quantization == "q8_0" and (name.endswith("_proj.weight") or head)
+        total += numel * (Q8_0_BYTES_PER_WEIGHT if quantized else itemsize)
     return int(total)
 
 
 def safetensors_numels(file: Path) -> dict[str, int]:
-    """Each tensor's element count, from the file's header (a little-endian u64 length, then JSON)."""
-    with file.open("rb") as handle:
-        (header_len,) = struct.unpack("<Q", handle.read(8))
-        header = json.loads(handle.read(header_len))
-    return {name: math.prod(info["shape"]) for name, info in header.items() if name != "__metadata__"}
+    """Each tensor's element count, from the file's checked header alone: its data may be absent or
+    cut short (the refusal before loading is made from headers only), none of it is read here."""
+    return {name: entry.numel for name, entry in read_safetensors_header(file, data_in_file=False).items()}
 
 
 def gguf_weights_bytes(path: Path, dtype: str) -> int:
-    """Block-typed tensors stay as they are in the file; dense ones and the token embedding (looked up
-    by row) are held in the model dtype, as gguf_model.py loads them. The file is memory-mapped, not read."""
+    """Tensors of the block types our kernels multiply stay as they are in the file (the token
+    embedding too: looked up by row from its blocks); dense ones, and blocks of other types (widened),
+    are held in the model dtype, as gguf_model.py loads them. The file is memory-mapped, not read."""
+    from kernels.quantized import BLOCK_TYPES
     from lora_runtime.dtypes import DTYPES
     from lora_runtime.gguf_model import GGUFTensors
 
     file = GGUFTensors(path, DTYPES[dtype], "cpu")  # refuses, by name, a file we cannot serve
     total = 0
     for tensor in file.tensor_infos:
-        dense = tensor.tensor_type.name in ("F32", "F16", "BF16") or tensor.name == "token_embd.weight"
-        total += int(tensor.n_elements) * ITEMSIZES[dtype] if dense else int(tensor.n_bytes)
+        in_blocks = tensor.tensor_type.name in BLOCK_TYPES
+        total += int(tensor.n_bytes) if in_blocks else int(tensor.n_elements) * ITEMSIZES[dtype]
     return total
 
 

@@ -6,8 +6,7 @@ Names are imported on first use (PEP 562): the torch-free modules (`refs`, `merg
 without the others' torch."""
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from lora_runtime.lazy_exports import lazy_getattr
 
 # Each public name -> the module that defines it.
 _HOMES = {
@@ -34,12 +33,4 @@ _HOMES = {
 
 __all__ = sorted(_HOMES)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _HOMES:
-        # `from lora_runtime.adapters import weights` (a submodule) is found by the import system
-        # before this function; anything else is a typo.
-        raise AttributeError(f"module 'lora_runtime.adapters' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_HOMES[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(globals(), _HOMES)

@@ -41,7 +41,9 @@ class LayerWeights:
 
 @dataclass(slots=True)
 class ModelWeights:
-    embed_tokens: torch.Tensor | None  # [vocab, hidden]; None when tied: the head holds it (`lm_head.rows`)
+    # [vocab, hidden], looked up by row: a dense table, a quantized weight's projection (its `rows`
+    # dequantize only the rows looked up), or None when tied: the head's one copy (`lm_head.rows`).
+    embed_tokens: torch.Tensor | LinearWeight | None
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [hidden]
     lm_head: LinearWeight  # [vocab, hidden], the embedding itself when tied
@@ -82,9 +84,10 @@ class LlamaModel:
         return self.weights.final_norm.dtype
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.weights.embed_tokens is None:
-            return self.weights.lm_head.rows(input_ids)
-        return F.embedding(input_ids, self.weights.embed_tokens)
+        table = self.weights.embed_tokens
+        if isinstance(table, torch.Tensor):
+            return F.embedding(input_ids, table)
+        return (self.weights.lm_head if table is None else table).rows(input_ids, self.dtype)
 
     def rope_variant(self, num_tokens: int) -> str | None:
         """What the cached keys of a request of `num_tokens` tokens depend on beyond its tokens and

@@ -6,8 +6,9 @@ Names are imported on first use (PEP 562), so that the torch-free modules the co
 (`tools`, `response_format`) import without the sampler and torch."""
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from lora_runtime.lazy_exports import lazy_getattr
 
 if TYPE_CHECKING:
     from lora_runtime.sampling.chat import render_chat_prompt
@@ -34,10 +35,4 @@ _HOMES = {
 
 __all__ = sorted(_HOMES)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _HOMES:
-        raise AttributeError(f"module 'lora_runtime.sampling' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_HOMES[name]), name)
-    globals()[name] = value  # later reads skip this function
-    return value
+__getattr__ = lazy_getattr(globals(), _HOMES)

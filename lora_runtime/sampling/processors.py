@@ -212,38 +212,35 @@ def _watermark_rows(scores: torch.Tensor, rows: Sequence[RowSettings]) -> None:
 
 
 def _penalty_rows(scores: torch.Tensor, rows: Sequence[RowSettings]) -> None:
-    picked = [i for i, row in enumerate(rows) if row.repetition_penalty not in (None, 1.0)]
-    if picked:
-        ids = [rows[i].penalty_token_ids for i in picked]
-        penalties = [rows[i].repetition_penalty for i in picked]
-        _update_rows(scores, picked, lambda sub: apply_repetition_penalty(sub, ids, penalties))
+    def penalize(sub: torch.Tensor, picked: list[RowSettings]) -> torch.Tensor:
+        return apply_repetition_penalty(sub, [row.penalty_token_ids for row in picked],
+                                        [row.repetition_penalty for row in picked])
+
+    _update_picked_rows(scores, rows, lambda row: row.repetition_penalty not in (None, 1.0), penalize)
 
 
 def _additive_penalty_rows(scores: torch.Tensor, rows: Sequence[RowSettings]) -> None:
-    picked = [i for i, row in enumerate(rows) if row.counted_token_ids is not None]
-    if picked:
-        ids = [rows[i].counted_token_ids for i in picked]
-        counts = [rows[i].token_counts for i in picked]
-        frequency = [rows[i].frequency_penalty for i in picked]
-        presence = [rows[i].presence_penalty for i in picked]
-        _update_rows(
-            scores, picked, lambda sub: apply_frequency_presence_penalty(sub, ids, counts, frequency, presence)
-        )
+    def penalize(sub: torch.Tensor, picked: list[RowSettings]) -> torch.Tensor:
+        return apply_frequency_presence_penalty(
+            sub, [row.counted_token_ids for row in picked], [row.token_counts for row in picked],
+            [row.frequency_penalty for row in picked], [row.presence_penalty for row in picked])
+
+    _update_picked_rows(scores, rows, lambda row: row.counted_token_ids is not None, penalize)
 
 
 def _logit_bias_rows(scores: torch.Tensor, rows: Sequence[RowSettings]) -> None:
-    picked = [i for i, row in enumerate(rows) if row.logit_bias_token_ids is not None]
-    if picked:
-        ids = [rows[i].logit_bias_token_ids for i in picked]
-        biases = [rows[i].logit_bias_values for i in picked]
-        _update_rows(scores, picked, lambda sub: apply_logit_bias(sub, ids, biases))
+    def bias(sub: torch.Tensor, picked: list[RowSettings]) -> torch.Tensor:
+        return apply_logit_bias(sub, [row.logit_bias_token_ids for row in picked],
+                                [row.logit_bias_values for row in picked])
+
+    _update_picked_rows(scores, rows, lambda row: row.logit_bias_token_ids is not None, bias)
 
 
 def _mask_rows(scores: torch.Tensor, rows: Sequence[RowSettings]) -> None:
-    picked = [i for i, row in enumerate(rows) if row.allowed_tokens is not None]
-    if picked:
-        allowed = torch.stack([rows[i].allowed_tokens for i in picked])  # [num_picked, vocab]
-        _update_rows(scores, picked, lambda sub: apply_token_mask(sub, allowed))
+    def mask(sub: torch.Tensor, picked: list[RowSettings]) -> torch.Tensor:
+        return apply_token_mask(sub, torch.stack([row.allowed_tokens for row in picked]))  # [num_picked, vocab]
+
+    _update_picked_rows(scores, rows, lambda row: row.allowed_tokens is not None, mask)
 
 
 def _warp_rows(
@@ -254,7 +251,19 @@ def _warp_rows(
     warp: Callable[[torch.Tensor, list], torch.Tensor],
 ) -> None:
     """Apply one warper to the rows whose parameter `name` is set and not neutral."""
-    picked = [i for i, row in enumerate(rows) if (v := getattr(row, name)) is not None and is_active(v)]
+    _update_picked_rows(scores, rows, lambda row: (value := getattr(row, name)) is not None and is_active(value),
+                        lambda sub, picked: warp(sub, [getattr(row, name) for row in picked]))
+
+
+def _update_picked_rows(
+    scores: torch.Tensor,
+    rows: Sequence[RowSettings],
+    is_picked: Callable[[RowSettings], bool],
+    apply: Callable[[torch.Tensor, list[RowSettings]], torch.Tensor],
+) -> None:
+    """scores[picked] = apply(scores[picked], the picked rows' settings) over the rows `is_picked`
+    accepts; with none, nothing is done (not even a gather)."""
+    picked = [i for i, row in enumerate(rows) if is_picked(row)]
     if picked:
-        values = [getattr(rows[i], name) for i in picked]
-        _update_rows(scores, picked, lambda sub: warp(sub, values))
+        picked_rows = [rows[i] for i in picked]
+        _update_rows(scores, picked, lambda sub: apply(sub, picked_rows))

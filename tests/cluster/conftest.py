@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from lora_runtime.embedded import ensure_embedded_model
 from server.db import open_database
 from server.tenancy import create_tenant, create_token
 from tests.fixtures.postgres import find_postgres_bin_dir, start_postgres
@@ -97,7 +98,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                    "AWS_DEFAULT_REGION": REGION}
     port = _free_port()
     args = cluster_parser().parse_args([
-        "--replicas", "2", "--threads-per-replica", "1", "--dtype", "float32", "--port", str(port),
+        "--replicas", "2", "--threads-per-replica", "1", "--model", str(ensure_embedded_model()),
+        "--dtype", "float32", "--port", str(port),
         "--data-dir", str(root / "data"), "--database-url", postgres.url, "--registry-bucket", BUCKET,
         "--s3-endpoint", s3.endpoint_url, "--max-in-flight", str(MAX_IN_FLIGHT), "--shutdown-deadline", "2",
         "--stream-interval", str(STREAM_INTERVAL)])

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import psutil
 
+from lora_runtime.embedded import ensure_embedded_model
 from lora_runtime.threads import physical_cores
 from tests.cluster.conftest import GROUP, Cluster
 
@@ -64,8 +65,9 @@ def test_the_command_runs_its_replica_at_normal_priority_on_every_core(tmp_path:
     """`python -m server.cluster --replicas 1` as a user starts it: its one replica on all of the
     machine's physical cores, one compute thread each (in `/info`), not at Ray's niceness 15."""
     port = _free_port()
-    command = [sys.executable, "-m", "server.cluster", "--replicas", "1", "--port", str(port), "--dtype", "float32",
-               "--data-dir", str(tmp_path / "data"), "--demo-adapters", str(tmp_path / "none")]
+    command = [sys.executable, "-m", "server.cluster", "--replicas", "1", "--port", str(port),
+               "--model", str(ensure_embedded_model()), "--dtype", "float32", "--data-dir", str(tmp_path / "data"),
+               "--demo-adapters", str(tmp_path / "none")]
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "OMP_NUM_THREADS", "RAY_ADDRESS")}
     output = tmp_path / "output.txt"
     with output.open("w") as sink:  # Ray's own log lines too: a file never fills as a pipe does

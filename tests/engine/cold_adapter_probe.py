@@ -23,6 +23,7 @@ import time  # noqa: E402
 
 from lora_runtime import Engine, EngineConfig, SamplingParams  # noqa: E402
 from lora_runtime.async_engine import AsyncEngine  # noqa: E402
+from lora_runtime.embedded import ensure_embedded_model  # noqa: E402
 
 PROMPT = "Hello"
 ONE_TOKEN = SamplingParams(max_new_tokens=1)
@@ -71,7 +72,8 @@ async def _answer(front: AsyncEngine, adapter_dir: str) -> None:
 
 
 def main(mode: str, adapter_dirs: list[str]) -> None:
-    engine = Engine.from_config(EngineConfig())
+    # The Hugging Face directory the adapters were made for: the wait is measured, not the default GGUF.
+    engine = Engine.from_config(EngineConfig(model=str(ensure_embedded_model())))
     engine.generate([PROMPT], ONE_TOKEN)  # warm: the base model's first step is not what is measured
     if mode == "sync":
         figures = [measure_sync(engine, adapter_dir) for adapter_dir in adapter_dirs]

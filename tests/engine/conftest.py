@@ -14,10 +14,12 @@ def embedded_model_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def engine(embedded_model_dir):
-    """The embedded model in float32, one per test module (a module may define its own)."""
+    """The embedded model's Hugging Face directory in float32, one per test module (a module may define
+    its own): the directory `hf_embedded_model` loads, so the engine and the oracle read the same weights
+    (the default model, its GGUF served as it is, is tested in test_default_model.py)."""
     from lora_runtime import Engine, EngineConfig
 
-    return Engine.from_config(EngineConfig(dtype="float32"))
+    return Engine.from_config(EngineConfig(model=str(embedded_model_dir), dtype="float32"))
 
 
 @pytest.fixture(scope="session")

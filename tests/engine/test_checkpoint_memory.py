@@ -120,6 +120,7 @@ def _write_raw(path: Path, header: bytes, data: bytes) -> None:
     (b'{"w": {"dtype": "C64", "shape": [4], "data_offsets": [0, 32]}}', b"\0" * 32, "'C64'"),
     (b'{"w": [1, 2]}', b"", "malformed"),
     (b"not json", b"", "header is not JSON"),
+    (b"[1, 2]", b"", "header is not a JSON object"),
 ])
 def test_a_checkpoint_that_lies_about_its_tensors_is_refused_naming_the_file(tmp_path, header, data, named) -> None:
     save_tiny_model("llama", tmp_path)

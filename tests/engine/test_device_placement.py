@@ -20,7 +20,7 @@ def test_every_model_tensor_lives_on_the_models_device(tmp_path, family: str) ->
     weights = model.weights
     linears = [weights.lm_head] + [getattr(layer, name) for layer in weights.layers
                                    for name in ("qkv", "o", "gate_up", "down")]
-    tensors = [weights.embed_tokens, weights.final_norm]
+    tensors = [weights.final_norm] + ([] if weights.embed_tokens is None else [weights.embed_tokens])  # tied: the head
     tensors += [table for rotary in model.rotary.values() for table in (rotary.cos, rotary.sin)]
     if torch.is_tensor(model.embedding_scale):
         tensors.append(model.embedding_scale)

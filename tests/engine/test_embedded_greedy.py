@@ -1,7 +1,10 @@
-"""The embedded model in float32: greedy tokens identical to HF `generate` (run per prompt, batch
+"""The embedded model's Hugging Face directory in float32 (the weights the oracle loads; the default
+model, its GGUF served as it is, is compared in test_default_model.py): greedy tokens identical to HF `generate` (run per prompt, batch
 size 1, so no padding alters the oracle), whether our engine runs the prompts one at a time, all
 together, or with a KV cache so small that requests are preempted and recomputed."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,26 +50,27 @@ def hf_greedy(prompts, hf_embedded_model, embedded_model_dir) -> list[list[int]]
     return expected
 
 
-def _engine(**kwargs) -> Engine:
-    return Engine.from_config(EngineConfig(dtype="float32", **kwargs))
+def _engine(model_dir: Path, **kwargs) -> Engine:
+    return Engine.from_config(EngineConfig(model=str(model_dir), dtype="float32", **kwargs))
 
 
-def test_one_at_a_time_matches_hf(prompts, hf_greedy) -> None:
-    engine = _engine()
+def test_one_at_a_time_matches_hf(prompts, hf_greedy, embedded_model_dir) -> None:
+    engine = _engine(embedded_model_dir)
     params = SamplingParams(max_new_tokens=NUM_NEW_TOKENS)
     for prompt, expected in zip(prompts, hf_greedy):
         assert engine.generate([prompt], params)[0].token_ids == expected
 
 
-def test_all_together_matches_hf(prompts, hf_greedy) -> None:
-    engine = _engine()
+def test_all_together_matches_hf(prompts, hf_greedy, embedded_model_dir) -> None:
+    engine = _engine(embedded_model_dir)
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=NUM_NEW_TOKENS))
     assert [o.token_ids for o in outputs] == hf_greedy
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
 
 
-def test_preemption_under_a_tiny_cache_matches_hf(prompts, hf_greedy) -> None:
+def test_preemption_under_a_tiny_cache_matches_hf(prompts, hf_greedy, embedded_model_dir) -> None:
     engine = _engine(
+        embedded_model_dir,
         kv_cache=KVCacheConfig(block_size_tokens=16, num_blocks=12),
         scheduler=SchedulerConfig(max_num_batched_tokens=64),
     )

@@ -111,9 +111,8 @@ def test_gguf_weights_count_block_types_as_stored_and_dense_ones_in_the_dtype(tm
     path = write_gguf(tmp_path / "tiny.gguf", dims, random_tensors(dims, q8_0))
     projections = sum(dims.num_layers * rows * cols for rows, cols in map(dims.projection_shape, PROJECTIONS))
     norms = (2 * dims.num_layers + 1) * dims.hidden_size
-    embedding = VOCAB_SIZE * dims.hidden_size  # looked up by row: held dense, in bf16
-    output = VOCAB_SIZE * dims.hidden_size  # Q8_0: 34 bytes a block of 32
-    expected = (projections + output) * 34 // 32 + (norms + embedding) * 2
+    embedding = output = VOCAB_SIZE * dims.hidden_size  # Q8_0: 34 bytes a block of 32 (looked up by row)
+    expected = (projections + output + embedding) * 34 // 32 + norms * 2
     config = EngineConfig(model=str(path), kv_cache=KVCacheConfig(memory_bytes=MIB))
     assert memory_budget_for(config, path, "bfloat16").weights_bytes == expected
 

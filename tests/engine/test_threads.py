@@ -63,7 +63,7 @@ def test_the_default_follows_the_affinity_mask_and_omp_num_threads() -> None:
 def test_greedy_tokens_at_one_and_two_threads_are_equal(embedded_model_dir) -> None:
     previous = torch.get_num_threads()
     try:
-        engine = Engine.from_config(EngineConfig(dtype="float32", num_threads=2))
+        engine = Engine.from_config(EngineConfig(model=str(embedded_model_dir), dtype="float32", num_threads=2))
         assert torch.get_num_threads() == 2 and engine.info.num_threads == 2
         questions = HELD_OUT_QUESTIONS[:3] * 3
         adapters = [None] * 3 + [str(DEMO_DIR / "french")] * 3 + [str(DEMO_DIR / "shout")] * 3

@@ -1,6 +1,8 @@
 """The committed demo adapters through our engine: one batch mixing the base model and the three
-adapters (the server's default dtype, bfloat16) shows each adapter's behaviour on held-out
-questions, and none on the base model."""
+adapters shows each adapter's behaviour on held-out questions, and none on the base model. The
+engine is the default one, as `make serve` registers the adapters on it: the embedded model's GGUF
+served as it is (Q4_1 blocks, bf16 activations on AVX-512), while the adapters were trained on its
+full-precision Hugging Face directory (scripts/train_demo_adapters.py)."""
 from __future__ import annotations
 
 import pytest

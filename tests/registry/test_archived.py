@@ -64,6 +64,7 @@ def test_an_archived_version_is_not_served_until_unarchived(
 
 def test_archiving_stops_a_cached_version_over_http(tmp_path: Path) -> None:
     from lora_runtime import Engine, EngineConfig
+    from lora_runtime.embedded import ensure_embedded_model
     from server.adapter_sources import engine_adapter_sources
     from server.config import ServerConfig
     from server.db import open_database
@@ -73,8 +74,8 @@ def test_archiving_stops_a_cached_version_over_http(tmp_path: Path) -> None:
     # The engine's pbase source reads the registry the live server's routes write (same data dir).
     database = open_database(f"sqlite:///{tmp_path / 'state.db'}")
     sources = engine_adapter_sources(ServerConfig(data_dir=tmp_path), database)
-    live = start_live_server(Engine.from_config(EngineConfig(dtype="float32"), adapter_sources=sources),
-                             tmp_path)
+    engine = Engine.from_config(EngineConfig(model=str(ensure_embedded_model()), dtype="float32"), adapter_sources=sources)
+    live = start_live_server(engine, tmp_path)
     try:
         adapter = make_embedded_adapter(tmp_path / "peft", seed=1)
         upload = write_files(tmp_path / "upload", adapter_only(read_file_bytes(adapter)))

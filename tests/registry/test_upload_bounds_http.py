@@ -45,10 +45,11 @@ def _stage_expired_upload(data_dir: Path) -> Path:
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     from lora_runtime import Engine, EngineConfig
+    from lora_runtime.embedded import ensure_embedded_model
 
     data_dir = tmp_path_factory.mktemp("uploads")
     _stage_expired_upload(data_dir)
-    server = start_live_server(Engine.from_config(EngineConfig(dtype="float32")), data_dir, max_open_uploads=8,
+    server = start_live_server(Engine.from_config(EngineConfig(model=str(ensure_embedded_model()), dtype="float32")), data_dir, max_open_uploads=8,
                                max_staged_upload_bytes=_STAGED_LIMIT, max_upload_files=8,
                                upload_sweep_interval_s=0.5)
     yield server

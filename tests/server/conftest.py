@@ -1,4 +1,4 @@
-"""Fixtures of the server tests: the embedded model loaded once (float32), a live server per module."""
+"""Fixtures of the server tests: the embedded model's Hugging Face directory loaded once (float32), a live server per module."""
 from __future__ import annotations
 
 import pytest
@@ -10,8 +10,11 @@ from tests.server.live import LiveServer, start_live_server
 @pytest.fixture(scope="session")
 def engine():
     from lora_runtime import Engine, EngineConfig
+    from lora_runtime.embedded import ensure_embedded_model
 
-    return Engine.from_config(EngineConfig(dtype="float32"))
+    # The Hugging Face directory that the tests' transformers oracles load (the default model, its GGUF
+    # served as it is, is tested in tests/engine/test_default_model.py).
+    return Engine.from_config(EngineConfig(model=str(ensure_embedded_model()), dtype="float32"))
 
 
 @pytest.fixture(scope="module")

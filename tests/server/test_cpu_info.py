@@ -14,6 +14,8 @@ from pathlib import Path
 
 import httpx
 
+from lora_runtime.embedded import ensure_embedded_model
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -41,7 +43,8 @@ def test_a_server_pinned_to_one_cpu_computes_there_with_one_thread_and_says_so(t
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "OMP_NUM_THREADS")}
     command = ["taskset", "-c", str(cpu), sys.executable, "-m", "server", "--port", str(port),
-               "--data-dir", str(tmp_path / "data"), "--dtype", "float32", "--demo-adapters", str(tmp_path / "none")]
+               "--data-dir", str(tmp_path / "data"), "--model", str(ensure_embedded_model()), "--dtype", "float32",
+               "--demo-adapters", str(tmp_path / "none")]
     process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                text=True)
     try:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 
+from lora_runtime.embedded import ensure_embedded_model
 from tests.server.test_http_errors import assert_error
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -36,7 +37,7 @@ def _start_server(data_dir: Path, port: int) -> subprocess.Popen:
     (data_dir / "no-demo-adapters").mkdir(parents=True)
     env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
     command = [sys.executable, "-m", "server", "--port", str(port), "--data-dir", str(data_dir),
-               "--dtype", "float32", "--shutdown-deadline", "120",
+               "--model", str(ensure_embedded_model()), "--dtype", "float32", "--shutdown-deadline", "120",
                "--demo-adapters", str(data_dir / "no-demo-adapters")]
     with (data_dir / "server.log").open("w") as log:
         return subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import httpx
 
+from lora_runtime.embedded import ensure_embedded_model
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MIB = 2**20
 
@@ -39,8 +41,8 @@ def test_kv_cache_mib_sizes_the_cache_and_info_shows_the_budget(tmp_path: Path) 
     port, log = _free_port(), tmp_path / "server.log"
     env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
     command = [sys.executable, "-m", "server", "--port", str(port), "--data-dir", str(tmp_path / "data"),
-               "--dtype", "float32", "--kv-cache-mib", "48", "--adapter-pool-mib", "96",
-               "--adapter-host-cache-mib", "16", "--demo-adapters", str(tmp_path / "none")]
+               "--model", str(ensure_embedded_model()), "--dtype", "float32", "--kv-cache-mib", "48",
+               "--adapter-pool-mib", "96", "--adapter-host-cache-mib", "16", "--demo-adapters", str(tmp_path / "none")]
     with log.open("w") as output:
         process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=output, stderr=subprocess.STDOUT)
     try:

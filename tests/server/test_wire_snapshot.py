@@ -159,9 +159,10 @@ def test_every_refusal_is_the_snapshot(live, snapshot, request_) -> None:
 
 def main() -> None:
     from lora_runtime import Engine, EngineConfig
+    from lora_runtime.embedded import ensure_embedded_model
     import tempfile
 
-    engine = Engine.from_config(EngineConfig(dtype="float32"))
+    engine = Engine.from_config(EngineConfig(model=str(ensure_embedded_model()), dtype="float32"))  # as conftest.py
     with tempfile.TemporaryDirectory() as data_dir:
         server = start_live_server(engine, Path(data_dir), max_new_tokens_limit=64)
         try:

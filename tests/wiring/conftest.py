@@ -98,6 +98,7 @@ def _fill_s3(s3: S3Server, adapters: dict[str, Path]) -> None:
 def wired(tmp_path_factory) -> Iterator[Wired]:
     from lora_runtime import Engine, EngineConfig
     from lora_runtime.config import AdapterConfig
+    from lora_runtime.embedded import ensure_embedded_model
     from server.adapter_sources import engine_adapter_sources
     from server.config import ServerConfig
     from server.db import open_database
@@ -118,7 +119,9 @@ def wired(tmp_path_factory) -> Iterator[Wired]:
     with pytest.MonkeyPatch.context() as env:
         s3.use_credentials(env)  # boto3 reads the chain when the client is made
         sources = engine_adapter_sources(ServerConfig(data_dir=data_dir, **options), database)
-    engine = Engine.from_config(EngineConfig(dtype="float32", adapters=AdapterConfig(allow_local_paths=False)),
+    # The Hugging Face directory that `peft_oracle` loads.
+    engine = Engine.from_config(EngineConfig(model=str(ensure_embedded_model()), dtype="float32",
+                                             adapters=AdapterConfig(allow_local_paths=False)),
                                 adapter_sources=sources)
     live = start_live_server(engine, data_dir, **options)
     yield Wired(live, hub, s3, adapters)

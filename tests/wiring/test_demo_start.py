@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 
+from lora_runtime.embedded import ensure_embedded_model
 from tests.fixtures.adapters import make_lora_adapter
 from tests.wiring.conftest import make_embedded_adapter
 
@@ -52,7 +53,11 @@ def test_first_start_registers_demo_adapters_and_prints_a_working_curl(tmp_path:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
     command = [sys.executable, "-m", "server", "--port", str(port), "--data-dir", str(tmp_path / "data"),
-               "--dtype", "float32", "--demo-adapters", str(_demo_dir(tmp_path)), "--adapter-pool-mib", "96"]
+               "--dtype", "float32", "--demo-adapters", str(_demo_dir(tmp_path)), "--adapter-pool-mib", "96",
+               # The Hugging Face directory: the demo's registration is tested here, and the default
+               # model's GGUF took a minute longer to load on a busy 2-core machine
+               # (tests/engine/test_gguf_embedded.py serves that one).
+               "--model", str(ensure_embedded_model())]
     process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.DEVNULL, text=True)
     try:

@@ -87,12 +87,84 @@ def test_stat_cpu_seconds_reads_utime_and_stime_after_the_command_name() -> None
     assert llama_cpp.stat_cpu_seconds(f"42 (a) b ) c) {fields_after_name}", ticks_per_s=100) == 2.0
 
 
-def test_server_that_exits_fails_with_its_output(tmp_path: Path) -> None:
+def test_server_that_exits_dies_with_its_status_and_output(tmp_path: Path) -> None:
     command = [sys.executable, "-c", "import sys; print('no model here', file=sys.stderr); sys.exit(3)"]
     server = llama_cpp.LlamaServer(command, llama_cpp.free_port())
-    with pytest.raises(RuntimeError, match="exited \\(3\\)(.|\\n)*no model here"), server:
+    with pytest.raises(llama_cpp.PeerDied) as died, server:
         pass
+    assert died.value.reason == "llama-server exited with status 3" and died.value.log_tail == "no model here"
     assert server.process.returncode == 3
+
+
+def test_server_killed_by_a_signal_is_named_with_its_last_lines() -> None:
+    """The process prints more lines than the report keeps, then dies of SIGILL, as llama-server did on
+    an AMX CPU."""
+    command = [sys.executable, "-c", "import os, signal\nfor i in range(30): print('line', i, flush=True)\n"
+               "os.kill(os.getpid(), signal.SIGILL)"]
+    server = llama_cpp.LlamaServer(command, llama_cpp.free_port())
+    with pytest.raises(llama_cpp.PeerDied) as died, server:
+        pass
+    assert died.value.reason == "llama-server killed by SIGILL"
+    assert died.value.log_tail.splitlines() == [f"line {i}" for i in range(30 - llama_cpp.LOG_TAIL_LINES, 30)]
+
+
+def test_exit_reasons_in_words() -> None:
+    assert llama_cpp.exit_reason(0) == "exited with status 0"
+    assert llama_cpp.exit_reason(-9) == "killed by SIGKILL"
+    assert llama_cpp.exit_reason(-200) == "killed by signal 200"  # no such signal: its number
+
+
+def _die_script(tmp_path: Path) -> Path:
+    """An executable that, given a server's command line, prints its model and kills itself with SIGILL."""
+    script = tmp_path / "dying-server"
+    script.write_text('#!/bin/sh\necho "loading model $2"\nkill -s ILL $$\n')
+    script.chmod(0o755)
+    return script
+
+
+def _tiny_workload(tmp_path: Path) -> peers.Workload:
+    return peers.Workload(prompts=[[1, 2, 3], [4, 5]], adapter_paths=[tmp_path / "adapter"], adapter_of=[0, 0],
+                          new_tokens=2)
+
+
+def test_a_server_that_dies_is_recorded_per_workload_and_the_others_still_run(tmp_path: Path) -> None:
+    model = tmp_path / "model-q8_0.gguf"
+    report = peers.measure_llama_cpp_file(_die_script(tmp_path), model, [tmp_path / "a.gguf"],
+                                          _tiny_workload(tmp_path), threads=1)
+    expected = {"died": "llama-server killed by SIGILL", "log_tail": f"loading model {model}"}
+    assert report == {"W": expected, "base": expected, "base_1": expected}
+
+
+def test_real_llama_server_on_a_file_it_cannot_read_is_recorded(tmp_path: Path) -> None:
+    binary = llama_cpp.server_binary(llama_cpp.llama_cpp_root())
+    if not llama_cpp.is_built(binary):
+        pytest.skip("llama-server is not built in the cache (python -m benchmarks.peers builds it, 7-17 minutes)")
+    model = tmp_path / "truncated.gguf"
+    model.write_bytes(b"GGUF\x03\x00")
+    report = peers.measure_llama_cpp_file(binary, model, [], _tiny_workload(tmp_path), threads=1)
+    assert {run["died"] for run in report.values()} == {"llama-server exited with status 1"}
+    assert "truncated.gguf" in report["base_1"]["log_tail"]
+
+
+DYING_ON_COMPLETION = textwrap.dedent("""
+    import http.server, os, signal, sys
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+        def do_POST(self):
+            print('computing', flush=True)
+            os.kill(os.getpid(), signal.SIGILL)
+    http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+""")
+
+
+def test_a_server_dying_in_a_burst_is_named_by_its_signal() -> None:
+    port = llama_cpp.free_port()
+    with llama_cpp.LlamaServer([sys.executable, "-c", DYING_ON_COMPLETION, str(port)], port) as server:
+        with pytest.raises(llama_cpp.PeerDied) as died:
+            llama_cpp.run_burst(server, [llama_cpp.completion_body([1], 2, None, 0)])
+    assert died.value.reason == "llama-server killed by SIGILL" and died.value.log_tail.endswith("computing")
 
 
 HEALTH_SERVER = textwrap.dedent("""
@@ -163,6 +235,10 @@ def test_best_dtype_is_chosen_per_workload() -> None:
     assert peers.best_dtype(runs, "W") == "bf16" and peers.best_dtype(runs, "base") == "f32"
     assert peers.best_dtype({"float32": {"tokens_per_cpu_s": 5.0}, "bfloat16": {"tokens_per_cpu_s": 4.0}}) == "float32"
     assert peers.best_dtype({}) is None
+    runs["bf16"]["W"] = {"died": "llama-server killed by SIGILL", "log_tail": ""}
+    assert peers.best_dtype(runs, "W") == "f32"
+    runs["f32"]["W"] = {"died": "llama-server exited with status 1", "log_tail": ""}
+    assert peers.best_dtype(runs, "W") is None
 
 
 @pytest.mark.slow
@@ -200,3 +276,23 @@ def test_same_file_ratios_against_llama_cpp_and_ours_at_bf16() -> None:
     assert goals[("W", "q4_k_m", "llama.cpp")]["met"] is False  # 3.0 < 4
     assert goals[("base", "q8_0", "llama.cpp")] == {"workload": "base", "type": "q8_0", "over": "llama.cpp",
                                                      "threshold": 1.5, "value": None, "met": None}
+
+
+def test_same_file_table_shows_rates_ratios_and_why_a_run_is_missing() -> None:
+    died = {"died": "llama-server killed by SIGILL", "log_tail": "init"}
+    ours = {"q8_0": {"W": {"tokens_per_cpu_s": 300.0}, "base": {"tokens_per_cpu_s": 400.0},
+                     "base_1": {"tokens_per_cpu_s": 30.0}},
+            "q4_k_m": {"refused": "Q5_0 is not supported"}}
+    llama = {"q8_0": {"W": died, "base": {"tokens_per_cpu_s": 200.0}, "base_1": {"tokens_per_cpu_s": 40.0}},
+             "q4_k_m": {"W": died, "base": died, "base_1": died}}
+    ratios = same_gguf.file_ratios(ours, llama)
+    assert ratios["q8_0"] == {"W": {}, "base": {"llama.cpp": pytest.approx(2.0)}, "base_1": {"llama.cpp": pytest.approx(0.75)}}
+    rows = same_gguf.file_table(ours, llama, ratios, num_requests=32, num_adapters=8).splitlines()
+    assert rows[2:] == [
+        "| q8_0 | 1 request | 30.0 | 40.0 | 0.75x | - |",
+        "| q8_0 | 32 requests | 400.0 | 200.0 | 2.00x | - |",
+        "| q8_0 | 32 requests, 8 adapters | 300.0 | died: llama-server killed by SIGILL | - | - |",
+        "| q4_k_m | 1 request | refused the file | died: llama-server killed by SIGILL | - | - |",
+        "| q4_k_m | 32 requests | refused the file | died: llama-server killed by SIGILL | - | - |",
+        "| q4_k_m | 32 requests, 8 adapters | refused the file | died: llama-server killed by SIGILL | - | - |",
+    ]

@@ -21,6 +21,9 @@ TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.
                   "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id", "tokenizer.ggml.add_bos_token",
                   "tokenizer.chat_template")
 VOCAB_SIZE = 49152  # the embedded tokenizer's
+# The embedded tokenizer's first tokens: its BPE merge i makes token FIRST_MERGED + i, so its first
+# n tokens with their merges are a whole BPE of n tokens (files of a smaller vocab_size).
+FIRST_MERGED = 252
 # llama.cpp's names of a Llama layer's projections (random_tensors).
 PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
@@ -37,6 +40,9 @@ class TinyDims:
     head_size: int | None = None  # None: hidden_size // num_heads
     sliding_window: int | None = None  # gemma3's, written to the file
     rope_scaling_factor: float | None = None  # linear RoPE scaling written to the file (transformers reads none)
+    # Below VOCAB_SIZE: the embedded tokenizer cut to its first vocab_size tokens (reading the whole
+    # one's 49k tokens and merges, transformers and the engine each take seconds per file).
+    vocab_size: int = VOCAB_SIZE
 
     @property
     def head_dim(self) -> int:
@@ -53,7 +59,7 @@ class TinyDims:
         if self.sliding_window is not None:
             extra = extra | {"sliding_window": self.sliding_window}
         return getattr(transformers, config_class)(
-            vocab_size=VOCAB_SIZE, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
             num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
             num_key_value_heads=self.num_kv_heads, max_position_embeddings=self.max_position_embeddings,
             rope_theta=10000.0, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, **extra)
@@ -71,7 +77,7 @@ class TinyDims:
 FAMILY_CONFIGS = {"llama": ("LlamaConfig", {"tie_word_embeddings": False}),
                   "qwen3": ("Qwen3Config", {"tie_word_embeddings": False}),
                   "gemma3": ("Gemma3TextConfig", {"tie_word_embeddings": True}),
-                  "phi3": ("Phi3Config", {"tie_word_embeddings": False})}
+                  "phi3": ("Phi3Config", {"tie_word_embeddings": False, "pad_token_id": 2})}
 GGUF_ARCHS = {"llama": MODEL_ARCH.LLAMA, "qwen3": MODEL_ARCH.QWEN3, "gemma3": MODEL_ARCH.GEMMA3,
               "phi3": MODEL_ARCH.PHI3}
 
@@ -118,8 +124,9 @@ def random_tensors(dims: TinyDims, types: dict[str, str], seed: int = 0) -> dict
     """Random valid blocks of `types[name]` for every projection (and "token_embd", "output")."""
     generator = torch.Generator().manual_seed(seed)
     tensors: dict[str, Tensor] = {}
-    for name, shape in (("token_embd", (VOCAB_SIZE, dims.hidden_size)), ("output", (VOCAB_SIZE, dims.hidden_size))):
-        blocks = random_blocks(types[name], *shape, seed=seed, scale=RANDOM_SCALES[types[name]])
+    for name in ("token_embd", "output"):
+        blocks = random_blocks(types[name], dims.vocab_size, dims.hidden_size, seed=seed,
+                               scale=RANDOM_SCALES[types[name]])
         tensors[name + ".weight"] = types[name], blocks.data.numpy()
     tensors["output_norm.weight"] = "F32", (1 + 0.1 * torch.randn(dims.hidden_size, generator=generator)).numpy()
     for idx in range(dims.num_layers):
@@ -145,7 +152,7 @@ def write_gguf(path: Path, dims: TinyDims, tensors: dict[str, Tensor], architect
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_dimension_count(dims.head_dim)
-    writer.add_vocab_size(VOCAB_SIZE)
+    writer.add_vocab_size(dims.vocab_size)
     if dims.head_size is not None:
         writer.add_key_length(dims.head_size)
         writer.add_value_length(dims.head_size)
@@ -154,7 +161,7 @@ def write_gguf(path: Path, dims: TinyDims, tensors: dict[str, Tensor], architect
     if dims.rope_scaling_factor is not None:
         writer.add_rope_scaling_type(RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(dims.rope_scaling_factor)
-    _copy_tokenizer(writer)
+    _copy_tokenizer(writer, dims.vocab_size)
     for name, (type_name, data, *claimed_shape) in tensors.items():
         raw_dtype = None if type_name == "F32" else GGMLQuantizationType[type_name]
         # A third element: the shape the header claims, whatever `data` holds (corrupt files).
@@ -167,10 +174,12 @@ def write_gguf(path: Path, dims: TinyDims, tensors: dict[str, Tensor], architect
     return path
 
 
-def _copy_tokenizer(writer: GGUFWriter) -> None:
-    """The embedded model's tokenizer and chat template, field by field."""
+def _copy_tokenizer(writer: GGUFWriter, vocab_size: int) -> None:
+    """The embedded model's tokenizer and chat template, field by field, cut to `vocab_size` tokens."""
+    kept = {"tokenizer.ggml.tokens": vocab_size, "tokenizer.ggml.token_type": vocab_size,
+            "tokenizer.ggml.merges": vocab_size - FIRST_MERGED}
     for key, (value, value_type, sub_type) in _tokenizer_fields().items():
-        writer.add_key_value(key, value, value_type, sub_type=sub_type)
+        writer.add_key_value(key, value[:kept[key]] if key in kept else value, value_type, sub_type=sub_type)
 
 
 @functools.cache

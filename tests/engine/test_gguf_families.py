@@ -23,14 +23,17 @@ from tests.engine.gguf_factory import TinyDims, random_hf_model, tensors_from_hf
 from tests.engine.test_gguf_model import PROMPTS, _assert_matches, _atol, _generate
 from tests.fixtures.k_quants import requantized_gguf
 
-# Rows of 256 weights (whole Q4_K blocks). Qwen3's GGUF config reader keeps head_dim 128; Gemma 3's
-# six layers reach its first full-attention layer (transformers' default pattern: five sliding, one
-# full), its window shorter than the longer prompts plus their new tokens.
+# The embedded tokenizer cut to 1,280 tokens (PROMPTS' ids reach 1,005): the whole one's 49k took
+# transformers and the engine most of a minute per file. Rows of 256 weights (whole Q4_K blocks).
+# Qwen3's GGUF config reader keeps head_dim 128; Gemma 3's six layers reach its first full-attention
+# layer (transformers' default pattern: five sliding, one full), its window shorter than the longer
+# prompts plus their new tokens.
+VOCAB = 1280
 FAMILY_DIMS = {
-    "qwen3": TinyDims(hidden_size=256, intermediate_size=512, architecture="qwen3", head_size=128),
+    "qwen3": TinyDims(hidden_size=256, intermediate_size=512, architecture="qwen3", head_size=128, vocab_size=VOCAB),
     "gemma3": TinyDims(hidden_size=256, intermediate_size=512, num_layers=6, architecture="gemma3", head_size=64,
-                       sliding_window=5),
-    "phi3": TinyDims(hidden_size=256, intermediate_size=512, architecture="phi3"),
+                       sliding_window=5, vocab_size=VOCAB),
+    "phi3": TinyDims(hidden_size=256, intermediate_size=512, architecture="phi3", vocab_size=VOCAB),
 }
 FAMILIES = list(FAMILY_DIMS)
 
@@ -67,9 +70,16 @@ def _hf_from_gguf(path: Path):
     return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
 
 
-# Q4_K_M on the PyTorch backend: on the compiled one, its int8 activations flipped near-tie greedy
-# tokens of these random models (qwen3, gemma3); its K-quant kernels are the Llama file's, tested in
+# Greedy tokens equal to transformers' on the PyTorch backend (float32). On the compiled one, whose
+# int8 activations move logprobs by up to INT8_ATOL, these random models' near-flat logits have top
+# two 3e-4 to 7e-3 apart at some step (seeds 7 to 12, each family): it flipped greedy tokens of 1 to
+# 3 families for 5 seeds of those 6, as early as the first new token. There each token it chose is
+# held within 2 * INT8_ATOL of transformers' best, and every logprob within INT8_ATOL.
+# Q4_K_M on the PyTorch backend only: its K-quant kernels are the Llama file's, tested in
 # test_gguf_model.py, and the layouts here are the same for every block type.
+AGREEING = {"torch": None, None: 0}
+
+
 @pytest.mark.parametrize("scheme, backend", [("Q8_0", "torch"), ("Q8_0", None), ("Q4_K_M", "torch")])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_file_matches_transformers(files, family, scheme, backend) -> None:
@@ -79,7 +89,7 @@ def test_family_file_matches_transformers(files, family, scheme, backend) -> Non
     assert isinstance(layer.qkv.weight, QuantizedWeight) and isinstance(layer.gate_up.weight, QuantizedWeight)
     assert _hf_from_gguf(path).config.model_type == engine.model.shape.model_type
     outputs = _generate(engine)
-    _assert_matches(outputs, [_hf_from_gguf(path)] * len(PROMPTS), _atol(backend))
+    _assert_matches(outputs, [_hf_from_gguf(path)] * len(PROMPTS), _atol(backend), AGREEING[backend])
     assert len({tuple(o.token_ids) for o in outputs}) > 1, "distinct prompts must give distinct tokens"
 
 
@@ -115,14 +125,14 @@ def _refusal(path: Path) -> str:
 
 def test_rope_scaling_in_the_metadata_is_refused(tmp_path) -> None:
     """Gemma 3 4B and up: linear RoPE scaling, which transformers' GGUF config reader drops."""
-    dims = TinyDims(architecture="gemma3", head_size=16, rope_scaling_factor=8.0)
+    dims = TinyDims(architecture="gemma3", head_size=16, rope_scaling_factor=8.0, vocab_size=VOCAB)
     tensors = tensors_from_hf(random_hf_model(dims, seed=1), dims, "Q8_0")
     assert "gemma3.rope.scaling.type is 'linear'" in _refusal(write_gguf(tmp_path / "scaled.gguf", dims, tensors))
 
 
 def test_longrope_factors_are_refused(tmp_path) -> None:
     """Phi-3's 128k files carry LongRoPE's factors as tensors that transformers' reader skips."""
-    dims = TinyDims(architecture="phi3")
+    dims = TinyDims(architecture="phi3", vocab_size=VOCAB)
     tensors = tensors_from_hf(random_hf_model(dims, seed=1), dims, "Q8_0")
     tensors["rope_factors_long.weight"] = "F32", torch.ones(dims.head_dim // 2).numpy()
     assert "tensor rope_factors_long.weight" in _refusal(write_gguf(tmp_path / "longrope.gguf", dims, tensors))
@@ -130,7 +140,7 @@ def test_longrope_factors_are_refused(tmp_path) -> None:
 
 def test_head_size_the_config_reader_does_not_take_is_refused(tmp_path) -> None:
     """A Qwen3 file whose attention.key_length is not the 128 transformers' Qwen3 reader assumes."""
-    dims = TinyDims(architecture="qwen3", head_size=32)
+    dims = TinyDims(architecture="qwen3", head_size=32, vocab_size=VOCAB)
     tensors = tensors_from_hf(random_hf_model(dims, seed=1), dims, "Q8_0")
     message = _refusal(write_gguf(tmp_path / "head-32.gguf", dims, tensors))
     assert "qwen3.attention.key_length is 32" in message and "head_dim 128" in message

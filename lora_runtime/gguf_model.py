@@ -47,7 +47,11 @@ def load_gguf(path: Path, dtype: str, device: str, backend: kernels.Backend) -> 
     from transformers import AutoConfig, AutoTokenizer
 
     file = GGUFTensors(path, DTYPES[dtype], device)
+    # Each transformers reader below turns the tokenizer's metadata arrays (Llama 3's 128k tokens and
+    # 280k merges) into Python objects, ~300 MB at once: read them before any weight is held, so that
+    # transient does not stack on the weights' bytes at the load's peak.
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     shape = model_shape_from_config(config)
     features = model_features_from_config(config, shape)
     file.check_read_fully(shape)
@@ -60,7 +64,6 @@ def load_gguf(path: Path, dtype: str, device: str, backend: kernels.Backend) -> 
     )
     file.warn_widened()
     rotary = rotary_tables(config, features.layer_rope, shape.head_dim, shape.max_model_len, file.dtype, file.device)
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     return LlamaModel(shape, weights, rotary, backend, features), tokenizer
 
 
@@ -120,8 +123,19 @@ class GGUFTensors:
                                            f"supported: {sorted(ARCHITECTURES)}")
         self.layout = ARCHITECTURES[self.architecture]
         self._tensors = {tensor.name: tensor for tensor in self._reader.tensors}
+        self._drop_array_fields()
         self._check_extents()
         self.widened: Counter[str] = Counter()
+
+    def _drop_array_fields(self) -> None:
+        """The reader holds a numpy view per element of each metadata array (the tokenizer's ~400k
+        strings for Llama 3: ~350 MB of objects) for as long as it lives, and it lives through the
+        weights' load; only scalar keys are read here (the tokenizer is transformers' to read)."""
+        from gguf import GGUFValueType
+
+        fields = self._reader.fields
+        for key in [key for key, field in fields.items() if field.types[:1] == [GGUFValueType.ARRAY]]:
+            del fields[key]
 
     def _check_extents(self) -> None:
         """Each tensor's bytes, as its type and shape size them, end before the next tensor's start (or

@@ -11,9 +11,9 @@ import torch
 
 from lora_runtime import Engine, EngineConfig
 from lora_runtime.errors import ValidationError
-from tests.engine.gguf_factory import TinyDims, tensors_from_hf, write_gguf
+from tests.engine.gguf_factory import CUT_VOCAB_SIZE, TinyDims, tensors_from_hf, write_gguf
 
-DIMS = TinyDims()
+DIMS = TinyDims(vocab_size=CUT_VOCAB_SIZE)
 
 
 @pytest.fixture(scope="module")

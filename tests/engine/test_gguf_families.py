@@ -19,16 +19,15 @@ from kernels.quantized import QuantizedWeight
 from lora_runtime import Engine, EngineConfig
 from lora_runtime.errors import ValidationError
 from tests.adapters.peft_factory import peft_model, save_adapter
-from tests.engine.gguf_factory import TinyDims, random_hf_model, tensors_from_hf, write_gguf
+from tests.engine.gguf_factory import CUT_VOCAB_SIZE, TinyDims, random_hf_model, tensors_from_hf, write_gguf
 from tests.engine.test_gguf_model import PROMPTS, _assert_matches, _atol, _generate
 from tests.fixtures.k_quants import requantized_gguf
 
-# The embedded tokenizer cut to 1,280 tokens (PROMPTS' ids reach 1,005): the whole one's 49k took
-# transformers and the engine most of a minute per file. Rows of 256 weights (whole Q4_K blocks).
+# The embedded tokenizer cut to CUT_VOCAB_SIZE tokens. Rows of 256 weights (whole Q4_K blocks).
 # Qwen3's GGUF config reader keeps head_dim 128; Gemma 3's six layers reach its first full-attention
 # layer (transformers' default pattern: five sliding, one full), its window shorter than the longer
 # prompts plus their new tokens.
-VOCAB = 1280
+VOCAB = CUT_VOCAB_SIZE
 FAMILY_DIMS = {
     "qwen3": TinyDims(hidden_size=256, intermediate_size=512, architecture="qwen3", head_size=128, vocab_size=VOCAB),
     "gemma3": TinyDims(hidden_size=256, intermediate_size=512, num_layers=6, architecture="gemma3", head_size=64,

@@ -11,6 +11,7 @@ dequantizing), are in `gguf_architectures.py`.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter
 from pathlib import Path
@@ -41,16 +42,30 @@ def is_gguf_file(path: Path) -> bool:
     return path.suffix.lower() == ".gguf"
 
 
+def gguf_config(path: Path) -> object:
+    """transformers' config of a GGUF file, read once per file version: the memory budget and the
+    load both need it, and each read parses the whole metadata (seconds for a 128k vocabulary)."""
+    stat = path.stat()
+    return _read_gguf_config(path.resolve(), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_gguf_config(path: Path, mtime_ns: int, size: int) -> object:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+
+
 def load_gguf(path: Path, dtype: str, device: str, backend: kernels.Backend) -> tuple[LlamaModel, object]:
     """Our model and its tokenizer from a GGUF file; `dtype` is the dtype of the activations and of
     the dense tensors (a concrete one: "auto" is resolved by the engine)."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     file = GGUFTensors(path, DTYPES[dtype], device)
     # Each transformers reader below turns the tokenizer's metadata arrays (Llama 3's 128k tokens and
     # 280k merges) into Python objects, ~300 MB at once: read them before any weight is held, so that
     # transient does not stack on the weights' bytes at the load's peak.
-    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    config = gguf_config(path)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     shape = model_shape_from_config(config)
     features = model_features_from_config(config, shape)

@@ -117,13 +117,13 @@ def overhead_bytes(config: EngineConfig, shape: ModelShape) -> int:
 def read_model_shape(model_path: Path) -> ModelShape:
     """The model's shape from its config (config.json, or a GGUF file's metadata), refused by name
     when we do not serve it."""
-    from transformers import AutoConfig
-
     from lora_runtime.loader import read_hf_config
     from lora_runtime.models.architectures import model_shape_from_config
 
     if model_path.suffix.lower() == ".gguf":
-        return model_shape_from_config(AutoConfig.from_pretrained(model_path.parent, gguf_file=model_path.name))
+        from lora_runtime.gguf_model import gguf_config
+
+        return model_shape_from_config(gguf_config(model_path))
     return model_shape_from_config(read_hf_config(model_path))
 
 

@@ -57,6 +57,16 @@ def _compiled(ops, x: torch.Tensor, tensor: QuantizedTensor) -> torch.Tensor:
     return out
 
 
+def assert_within_the_bound(ours: torch.Tensor, x: torch.Tensor, tensor: QuantizedTensor) -> None:
+    """`ours` within x's quantization bound of the twin, a bound that is itself tight."""
+    weight = QuantizedWeight.of([tensor])
+    twin = reference.quantized_linear(x, weight)
+    error = (ours - twin).abs()
+    bound = quantization_bound(x, weight)
+    assert (error <= bound).all(), f"error {error.max():.3g} beyond the bound where {(error - bound).max():.3g}"
+    assert bound.max() < 0.02 * (x.abs() @ reference.dequantize(tensor).abs().T).max(), "the bound is a tight one"
+
+
 @pytest.mark.parametrize("form", cpu_build.FORMS)
 @pytest.mark.parametrize("vnni", [True, False])
 @pytest.mark.parametrize("type_name", TYPES)
@@ -69,12 +79,7 @@ def test_int8_matmul_within_the_quantization_bound(form: str, vnni: bool, type_n
     x = _x(rows, k=k, seed=rows)
     with _path(form, vnni) as ops:
         ours = _compiled(ops, x, tensor)
-    weight = QuantizedWeight.of([tensor])
-    twin = reference.quantized_linear(x, weight)
-    error = (ours - twin).abs()
-    bound = quantization_bound(x, weight)
-    assert (error <= bound).all(), f"error {error.max():.3g} beyond the bound where {(error - bound).max():.3g}"
-    assert bound.max() < 0.02 * (x.abs() @ reference.dequantize(tensor).abs().T).max(), "the bound is a tight one"
+    assert_within_the_bound(ours, x, tensor)
 
 
 @pytest.mark.parametrize("form", cpu_build.FORMS)
@@ -141,12 +146,7 @@ def test_amx_int8_matmul_within_the_quantization_bound(type_name: str, rows: int
     x = _x(rows, k=k, seed=rows)
     with _amx_int8() as ops:
         ours = _amx(ops, x, tensor)
-    weight = QuantizedWeight.of([tensor])
-    twin = reference.quantized_linear(x, weight)
-    error = (ours - twin).abs()
-    bound = quantization_bound(x, weight)
-    assert (error <= bound).all(), f"error {error.max():.3g} beyond the bound where {(error - bound).max():.3g}"
-    assert bound.max() < 0.02 * (x.abs() @ reference.dequantize(tensor).abs().T).max(), "the bound is a tight one"
+    assert_within_the_bound(ours, x, tensor)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -45,8 +45,13 @@ def is_gguf_file(path: Path) -> bool:
 def gguf_config(path: Path) -> object:
     """transformers' config of a GGUF file, read once per file version: the memory budget and the
     load both need it, and each read parses the whole metadata (seconds for a 128k vocabulary)."""
+    return _read_gguf_config(*_file_version(path))
+
+
+def _file_version(path: Path) -> tuple[Path, int, int]:
+    """What the cached reads of a file are keyed on: a rewritten file is read again."""
     stat = path.stat()
-    return _read_gguf_config(path.resolve(), stat.st_mtime_ns, stat.st_size)
+    return path.resolve(), stat.st_mtime_ns, stat.st_size
 
 
 @functools.lru_cache(maxsize=4)
@@ -120,15 +125,28 @@ def _layer_weights(file: GGUFTensors, shape: ModelShape, layer_idx: int, backend
     )
 
 
+@functools.lru_cache(maxsize=1)
+def _header_reader(path: Path, mtime_ns: int, size: int) -> object:
+    """gguf's reader of the file, parsed once per file version: the memory budget and the load both
+    read its tensors, and each parse walks every metadata array (seconds for a large vocabulary).
+    The arrays are dropped after: the reader holds a numpy view per element of each (the tokenizer's
+    ~400k strings for Llama 3: ~350 MB of objects) for as long as it lives, and it lives through the
+    weights' load; only scalar keys are read here (the tokenizer is transformers' to read)."""
+    from gguf import GGUFReader, GGUFValueType
+
+    reader = GGUFReader(path)
+    for key in [key for key, field in reader.fields.items() if field.types[:1] == [GGUFValueType.ARRAY]]:
+        del reader.fields[key]
+    return reader
+
+
 class GGUFTensors:
     """The tensors of one GGUF file, each checked against its type and the shape the model needs."""
 
     def __init__(self, path: Path, dtype: torch.dtype, device: str) -> None:
-        from gguf import GGUFReader
-
         self.path, self.dtype, self.device = path, dtype, device
         try:
-            self._reader = GGUFReader(path)
+            self._reader = _header_reader(*_file_version(path))
         except (ValueError, OSError, IndexError, KeyError, TypeError) as error:
             raise ValidationError("model", f"{path}: not a readable GGUF file (truncated or corrupt?): "
                                            f"{error}") from None
@@ -138,19 +156,8 @@ class GGUFTensors:
                                            f"supported: {sorted(ARCHITECTURES)}")
         self.layout = ARCHITECTURES[self.architecture]
         self._tensors = {tensor.name: tensor for tensor in self._reader.tensors}
-        self._drop_array_fields()
         self._check_extents()
         self.widened: Counter[str] = Counter()
-
-    def _drop_array_fields(self) -> None:
-        """The reader holds a numpy view per element of each metadata array (the tokenizer's ~400k
-        strings for Llama 3: ~350 MB of objects) for as long as it lives, and it lives through the
-        weights' load; only scalar keys are read here (the tokenizer is transformers' to read)."""
-        from gguf import GGUFValueType
-
-        fields = self._reader.fields
-        for key in [key for key, field in fields.items() if field.types[:1] == [GGUFValueType.ARRAY]]:
-            del fields[key]
 
     def _check_extents(self) -> None:
         """Each tensor's bytes, as its type and shape size them, end before the next tensor's start (or
